@@ -1,0 +1,234 @@
+"""One configuration for all three scripts.
+
+Every command-line flag comes from a field of `Config`; its help text is the docstring written under the
+field, and `Config.check` validates everything in one place. A field can be limited to some strategies
+(`STRATEGY_FLAGS`); the same flag always means the same thing wherever it exists.
+
+This module does not import torch, so `common/preflight.py` can validate the flags in a fraction of a
+second before torchrun starts any worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import os
+import sys
+import textwrap
+from dataclasses import dataclass, fields
+from typing import NoReturn, Sequence
+
+DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10")
+OPTIMIZERS = ("sgd", "adamw")
+PRECISIONS = ("fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+SHARDINGS = ("full", "grad-op", "hybrid", "none")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
+STRATEGIES = ("ddp", "fsdp", "pippy")
+
+
+class ConfigError(ValueError):
+    """A flag has a bad value. The message names the flag and says what to do."""
+
+
+@dataclass
+class Config:
+    # --- data ---
+    dataset: str = "digits"
+    """Data set: digits (built in, offline, deterministic), mnist, fashion-mnist or cifar10 (torchvision)."""
+    data_dir: str = "data"
+    """Where torchvision data sets are read from (and downloaded to, when online)."""
+    train_size: int = 12800
+    """Number of training images of the built-in digits data set."""
+    test_size: int = 2000
+    """Number of test images of the built-in digits data set."""
+
+    # --- schedule ---
+    epochs: int = 2
+    """Passes over the training set (the run stops earlier if --max-steps is reached)."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps (0: no limit, run --epochs)."""
+    batch_size: int = 128
+    """GLOBAL batch size: samples per optimizer step summed over all ranks, the same in every strategy."""
+    grad_accum_steps: int = 1
+    """Split each global batch into this many sequential chunks whose gradients are accumulated."""
+
+    # --- optimization ---
+    optimizer: str = "adamw"
+    """Optimizer: sgd (momentum 0.9) or adamw."""
+    lr: float = 2e-3
+    """Peak learning rate, reached after --warmup-steps and kept constant afterwards."""
+    weight_decay: float = 0.0
+    """Weight decay (decoupled for adamw, L2 for sgd)."""
+    warmup_steps: int = 20
+    """Linear learning-rate warm-up from lr/warmup_steps to lr over this many steps (0: none)."""
+    dropout: float = 0.1
+    """Dropout probability in the classifier (0 makes runs comparable step by step across strategies)."""
+    seed: int = 0
+    """Seed for the data set, the shuffling and the initial weights: the same seed gives the same run."""
+    precision: str = "fp32"
+    """Compute precision: fp32, or bf16 (autocast for DDP/pipeline, bf16 parameters for FSDP)."""
+
+    # --- FSDP ---
+    sharding: str = "full"
+    """FSDP sharding: full (ZeRO-3), grad-op (ZeRO-2), hybrid (HSDP, 2-D mesh) or none (replicate, like DDP)."""
+    cpu_offload: bool = False
+    """FSDP: keep sharded parameters, gradients and optimizer state in CPU memory (for GPU runs)."""
+    activation_checkpointing: bool = False
+    """FSDP: recompute each block's activations in backward instead of storing them."""
+
+    # --- pipeline ---
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, looped-bfs, interleaved-zb, zbv or dualpipev."""
+    n_microbatches: int = 4
+    """Pipeline: micro-batches each pipeline replica's batch is split into."""
+    stages_per_rank: int = 1
+    """Pipeline: stages on each rank (2 or more for the interleaved, looped and V schedules)."""
+    dp: int = 1
+    """Pipeline: number of data-parallel pipeline replicas (world size = dp x pipeline ranks)."""
+
+    # --- output, logging, checkpoints ---
+    out: str = ""
+    """Output folder for metrics.jsonl, run.json and checkpoints (default: runs/<strategy>)."""
+    log_every: int = 20
+    """Print a progress line every this many steps."""
+    eval_every: int = 0
+    """Evaluate on the whole test set every this many steps (0: only at the end)."""
+    checkpoint_every: int = 0
+    """Write a checkpoint every this many steps (0: never)."""
+    resume: bool = False
+    """Continue from the latest complete checkpoint in --out."""
+
+    # --- runtime ---
+    device: str = "auto"
+    """auto (CUDA when every local rank has a GPU, else CPU), cpu or cuda."""
+    threads: int = 0
+    """CPU threads per process (0: the machine's cores divided by the local processes)."""
+    timeout_s: int = 300
+    """Process-group timeout in seconds: a rank stuck this long in a collective ends the job."""
+
+    strategy: str = dataclasses.field(default="ddp", metadata={"cli": False})
+
+    # ------------------------------------------------------------------ checks
+    def check(self, *, world_size: int | None = None) -> "Config":
+        """Raise ConfigError for the first bad value; `world_size` adds the checks that depend on it."""
+        def need(ok: bool, flag: str, problem: str) -> None:
+            if not ok:
+                raise ConfigError(f"--{flag}: {problem}")
+
+        need(self.dataset in DATASETS, "dataset", f"unknown data set {self.dataset!r}; choose one of {', '.join(DATASETS)}")
+        need(self.optimizer in OPTIMIZERS, "optimizer", f"unknown optimizer {self.optimizer!r}; choose sgd or adamw")
+        need(self.precision in PRECISIONS, "precision", f"unknown precision {self.precision!r}; choose fp32 or bf16")
+        need(self.device in DEVICES, "device", f"unknown device {self.device!r}; choose auto, cpu or cuda")
+        need(self.sharding in SHARDINGS, "sharding", f"unknown mode {self.sharding!r}; choose one of {', '.join(SHARDINGS)}")
+        need(self.schedule in SCHEDULES, "schedule", f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        need(self.train_size >= 1, "train-size", f"must be at least 1, got {self.train_size}")
+        need(self.test_size >= 1, "test-size", f"must be at least 1, got {self.test_size}")
+        need(self.epochs >= 1, "epochs", f"must be at least 1, got {self.epochs}")
+        need(self.max_steps >= 0, "max-steps", f"must be 0 (no limit) or positive, got {self.max_steps}")
+        need(self.batch_size >= 1, "batch-size", f"must be at least 1, got {self.batch_size}")
+        need(self.grad_accum_steps >= 1, "grad-accum-steps", f"must be at least 1, got {self.grad_accum_steps}")
+        need(self.lr > 0 and self.lr == self.lr and self.lr != float("inf"), "lr", f"must be a positive number, got {self.lr}")
+        need(0 <= self.weight_decay < float("inf"), "weight-decay", f"must be 0 or positive, got {self.weight_decay}")
+        need(self.warmup_steps >= 0, "warmup-steps", f"must be 0 or positive, got {self.warmup_steps}")
+        need(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), got {self.dropout}")
+        need(self.log_every >= 1, "log-every", f"must be at least 1, got {self.log_every}")
+        need(self.eval_every >= 0, "eval-every", f"must be 0 (only at the end) or positive, got {self.eval_every}")
+        need(self.checkpoint_every >= 0, "checkpoint-every", f"must be 0 (never) or positive, got {self.checkpoint_every}")
+        need(self.threads >= 0, "threads", f"must be 0 (automatic) or positive, got {self.threads}")
+        need(self.timeout_s >= 1, "timeout-s", f"must be at least 1 second, got {self.timeout_s}")
+        need(self.n_microbatches >= 1, "n-microbatches", f"must be at least 1, got {self.n_microbatches}")
+        need(self.stages_per_rank >= 1, "stages-per-rank", f"must be at least 1, got {self.stages_per_rank}")
+        need(self.dp >= 1, "dp", f"must be at least 1, got {self.dp}")
+        need(self.batch_size % self.grad_accum_steps == 0, "grad-accum-steps",
+             f"{self.grad_accum_steps} does not divide --batch-size {self.batch_size}")
+        if world_size is not None:
+            self.check_world_size(world_size)
+        return self
+
+    def check_world_size(self, world_size: int) -> None:
+        """The checks that need the number of processes: every rank must get an equal share of a batch."""
+        replicas = self.data_parallel_size(world_size)
+        chunk = self.batch_size // self.grad_accum_steps
+        if self.strategy == "pippy":
+            if world_size % self.dp:
+                raise ConfigError(f"--dp: {self.dp} does not divide the world size {world_size}; "
+                                  f"use a --dp that divides the number of processes")
+        if chunk % replicas:
+            what = "data-parallel replicas (--dp)" if self.strategy == "pippy" else "processes"
+            raise ConfigError(
+                f"--batch-size: the global batch {self.batch_size} (/ --grad-accum-steps {self.grad_accum_steps}) "
+                f"does not split evenly over {replicas} {what}; use a multiple of {replicas * self.grad_accum_steps}")
+        if self.strategy == "fsdp" and self.sharding == "hybrid" and (world_size < 2 or world_size % 2):
+            raise ConfigError(f"--sharding: hybrid needs an even world size (2 replicas x shards), got {world_size}")
+
+    def flags(self) -> dict[str, object]:
+        """The settings that are flags of this run's script (for run.json)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name == "strategy" or self.strategy in STRATEGY_FLAGS.get(f.name, STRATEGIES)}
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """How many ranks split each global batch (the pipeline splits it only across its replicas)."""
+        return self.dp if self.strategy == "pippy" else world_size
+
+
+# Flags that exist only in some scripts; all other fields are flags of every script.
+STRATEGY_FLAGS = {
+    "sharding": ("fsdp",),
+    "cpu_offload": ("fsdp",),
+    "activation_checkpointing": ("fsdp",),
+    "schedule": ("pippy",),
+    "n_microbatches": ("pippy",),
+    "stages_per_rank": ("pippy",),
+    "dp": ("pippy",),
+}
+
+
+def _field_docs() -> dict[str, str]:
+    """The docstring written under each field of Config, read from this file's source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(Config)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage block
+        raise ConfigError(f"{message} (see --help)")
+
+
+def build_parser(strategy: str) -> argparse.ArgumentParser:
+    docs = _field_docs()
+    parser = _Parser(prog=f"train_{strategy}.py", description=f"Train BabyCNN with {strategy.upper()}.",
+                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in fields(Config):
+        if not f.metadata.get("cli", True) or strategy not in STRATEGY_FLAGS.get(f.name, STRATEGIES):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=docs[f.name])
+        else:
+            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+            parser.add_argument(flag, type=kind, default=f.default, help=docs[f.name], metavar=f.name.upper())
+    return parser
+
+
+def parse_config(strategy: str, argv: Sequence[str] | None = None, *, world_size: int | None = None) -> Config:
+    """Flags -> validated Config. Raises ConfigError (one line) on any bad flag."""
+    args = build_parser(strategy).parse_args(argv)
+    cfg = Config(strategy=strategy, **vars(args))
+    if not cfg.out:
+        cfg.out = os.path.join("runs", strategy)
+    return cfg.check(world_size=world_size)
+
+
+def fail(message: str) -> NoReturn:
+    """Print one error line and exit 2: what every entry point does with a ConfigError."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)

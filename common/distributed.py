@@ -1,0 +1,109 @@
+"""Process-group set-up and teardown from the torchrun environment, seeding, and rank-aware logging.
+
+torchrun sets RANK, LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE for each worker. Without torchrun
+(`python train_ddp.py`) the same code runs as a world of one, on an in-memory store, so the scripts have a
+single code path.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistEnv:
+    rank: int              # this process among all processes (0 .. world_size-1): use it for data and logging
+    local_rank: int        # this process among the ones on its machine: use it to pick the GPU
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str           # "nccl" on CUDA, "gloo" on CPU
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(*, device: str = "auto", timeout_s: int = 300, threads: int = 0) -> DistEnv:
+    """Join the process group torchrun prepared (or make a world of one) and pick this rank's device."""
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+    # The device comes from LOCAL_RANK, never from RANK: on the second machine RANK is 4..7, GPUs 0..3.
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available()
+                                    and torch.cuda.device_count() >= local_world_size)
+    if use_cuda:
+        if torch.cuda.device_count() <= local_rank:
+            raise RuntimeError(f"--device cuda: local rank {local_rank} has no GPU "
+                               f"({torch.cuda.device_count()} visible); launch fewer processes per machine")
+        torch.cuda.set_device(local_rank)
+        dev, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        dev, backend = torch.device("cpu"), "gloo"
+        # N processes sharing C cores must not each start C threads: oversubscribed cores run several
+        # times slower than one thread per core (torchrun's default is OMP_NUM_THREADS=1).
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(threads or max(1, cores // local_world_size))
+
+    timeout = timedelta(seconds=timeout_s)
+    if "RANK" in os.environ:  # launched by torchrun: MASTER_ADDR/PORT are in the environment
+        dist.init_process_group(backend, timeout=timeout, device_id=dev if use_cuda else None)
+    else:  # plain `python train_x.py`: a world of one, no port needed
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return DistEnv(rank, local_rank, world_size, local_world_size, dev, backend)
+
+
+def teardown_distributed() -> None:
+    """Leave the process group; call it in `finally`. After a clean run all ranks first meet at a barrier,
+    so no rank tears down its communicator while another still uses it (with gloo that can abort a
+    finished run). After an error there is no barrier: the other ranks may never reach it."""
+    if not dist.is_initialized():
+        return
+    if sys.exc_info()[1] is None:  # inside `finally`: None unless an exception is on its way out
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def seed_everything(seed: int) -> None:
+    """Seed the RNGs that draw dropout masks and other per-step randomness."""
+    torch.manual_seed(seed)
+
+
+class RankLogger:
+    """Prints from one rank only: the one that holds the metric (rank 0, or the last pipeline stage)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def __call__(self, message: str) -> None:
+        if self.enabled:
+            print(message, flush=True)
+
+
+def run(main: Callable[[], None]) -> None:
+    """Run a script's `main`, turning the errors a user can fix into one line and exit code 1.
+
+    Bad flags and missing data are the same on every rank, so only rank 0 reports them; a non-finite
+    loss names the rank that saw it. Anything else is a bug and keeps its traceback."""
+    from common.config import ConfigError, fail
+    from common.preflight import DataMissingError
+
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        main()
+    except (ConfigError, DataMissingError) as e:
+        if rank == 0:
+            fail(str(e))
+        raise SystemExit(2) from None
+    except FloatingPointError as e:
+        print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None

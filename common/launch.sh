@@ -1,0 +1,41 @@
+# Shared by run_ddp.sh, run_fsdp.sh and run_pippy.sh (sourced, not run). It picks the Python, validates
+# the flags before any worker starts, and builds the torchrun arguments for one or several machines.
+#
+#   NPROC        processes per machine (default 4)
+#   NNODES       machines (default 1); with NNODES > 1 also set NODE_RANK and MASTER_ADDR (MASTER_PORT: 29500)
+#   MAX_RESTARTS times torchrun restarts the whole group after a worker fails (default 0)
+#   PYTHON       the Python that has torch (default: .venv/bin/python if present, else python3)
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+NPROC=${NPROC:-4}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # the scripts set their own thread count on CPU; this only silences torchrun's notice
+NNODES=${NNODES:-1}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+
+for var in NPROC NNODES MAX_RESTARTS; do
+  if ! [[ "${!var}" =~ ^[0-9]+$ ]] || { [[ $var != MAX_RESTARTS ]] && (( ${!var} < 1 )); }; then
+    echo "error: $var=${!var} must be a whole number${var:+ (at least 1 for NPROC and NNODES)}" >&2
+    exit 2
+  fi
+done
+
+# preflight STRATEGY [flags]: validate every flag for NNODES x NPROC processes (and fetch a missing
+# torchvision data set once), so bad input costs one line here instead of a traceback from each worker.
+preflight() {
+  local strategy=$1; shift
+  "$PYTHON" -m common.preflight "$strategy" --world-size $((NNODES * NPROC)) "$@"
+}
+
+# torchrun rendezvous: one machine uses --standalone (a free port, so two runs at once don't clash);
+# several machines meet at MASTER_ADDR:MASTER_PORT through the c10d rendezvous backend.
+TORCHRUN_ARGS=(--nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS")
+if (( NNODES > 1 )); then
+  : "${NODE_RANK:?set NODE_RANK (0..NNODES-1) on each machine}" "${MASTER_ADDR:?set MASTER_ADDR to the address of machine 0}"
+  TORCHRUN_ARGS+=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --rdzv-backend c10d
+                  --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}" --rdzv-id "${RDZV_ID:-babycnn}")
+else
+  TORCHRUN_ARGS+=(--standalone)
+fi

@@ -1,0 +1,81 @@
+"""BabyCNN: the one model every strategy trains, and the explicit cut the pipeline uses.
+
+BabyCNN is an `nn.Sequential` of named layers, so a parameter has the same name (`conv2.weight`,
+`fc1.bias`, ...) in the whole model, in a DDP/FSDP-wrapped model and in any pipeline stage. That is what
+lets a checkpoint written by one strategy be read by another.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+
+class BabyCNN(nn.Sequential):
+    """Two 3x3 convolutions and a two-layer classifier; returns logits (cross_entropy applies softmax).
+
+    Shapes for a 28x28 grayscale input (32x32 RGB works the same way, with 3 input channels):
+        x [B, 1, 28, 28] -conv1-> [B, 32, 26, 26] -conv2-> [B, 64, 24, 24] -pool-> [B, 64, 12, 12]
+          -flatten-> [B, 9216] -fc1-> [B, 128] -fc2-> [B, classes]
+    """
+
+    def __init__(self, *, in_channels: int = 1, image_size: int = 28, num_classes: int = 10,
+                 dropout: float = 0.0) -> None:
+        conv_size = image_size - 4  # two 3x3 convolutions without padding
+        pooled = conv_size // 2
+        super().__init__(OrderedDict([
+            ("conv1", nn.Conv2d(in_channels, 32, kernel_size=3)),
+            ("relu1", nn.ReLU()),
+            ("conv2", nn.Conv2d(32, 64, kernel_size=3)),
+            ("norm", nn.LayerNorm([64, conv_size, conv_size])),
+            ("relu2", nn.ReLU()),
+            ("pool", nn.MaxPool2d(2)),
+            ("flatten", nn.Flatten()),
+            ("fc1", nn.Linear(64 * pooled * pooled, 128)),
+            ("dropout", nn.Dropout(dropout)),
+            ("relu3", nn.ReLU()),
+            ("fc2", nn.Linear(128, num_classes)),
+        ]))
+
+
+def build_model(*, seed: int, in_channels: int, image_size: int, num_classes: int, dropout: float) -> BabyCNN:
+    """BabyCNN whose initial weights are a function of `seed` alone: identical on every rank and strategy.
+
+    The model is built on the CPU under a private RNG, so neither the device nor anything drawn from the
+    global RNG before this call can change the weights; move it to the device afterwards.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return BabyCNN(in_channels=in_channels, image_size=image_size, num_classes=num_classes, dropout=dropout)
+
+
+# Where the pipeline cuts BabyCNN into n stages: stage i runs the layers from STAGE_STARTS[n][i] up to
+# the next start. Two rules shape the table: `flatten` always *opens* a stage (its output is a view, and
+# the zero-bubble schedules reject a stage output that is a view), and `dropout` never ends one (in eval
+# mode it returns its input itself). conv2 holds ~88% of the FLOPs, so no cut balances the stages well;
+# the cuts below are chosen to be easy to read, and the bubble measurements show what imbalance costs.
+STAGE_STARTS: dict[int, tuple[str, ...]] = {
+    1: ("conv1",),
+    2: ("conv1", "flatten"),
+    3: ("conv1", "conv2", "flatten"),
+    4: ("conv1", "conv2", "flatten", "fc2"),
+    5: ("conv1", "conv2", "norm", "flatten", "fc2"),
+    6: ("conv1", "conv2", "norm", "pool", "flatten", "fc2"),
+    7: ("conv1", "relu1", "conv2", "norm", "pool", "flatten", "fc2"),
+    8: ("conv1", "relu1", "conv2", "norm", "relu2", "pool", "flatten", "fc2"),
+}
+MAX_STAGES = max(STAGE_STARTS)
+
+
+def split_model(model: BabyCNN, n_stages: int) -> list[nn.Sequential]:
+    """Cut `model` into `n_stages` consecutive stages (see STAGE_STARTS). The stages share the model's
+    layers (no copy), and each stage keeps the layer names, so `stage.state_dict()` keys match the model's."""
+    if n_stages not in STAGE_STARTS:
+        raise ValueError(f"BabyCNN can be cut into 1 to {MAX_STAGES} stages, not {n_stages}")
+    names = list(model._modules)
+    starts = [names.index(name) for name in STAGE_STARTS[n_stages]] + [len(names)]
+    return [nn.Sequential(OrderedDict((name, model._modules[name]) for name in names[a:b]))
+            for a, b in zip(starts, starts[1:])]
+

@@ -1,0 +1,80 @@
+"""Checks the runners make before torchrun starts any worker, so bad input costs one line, not a traceback.
+
+    python -m common.preflight STRATEGY --world-size N [training flags]
+
+validates every flag (including the ones that depend on the world size) and makes sure a torchvision data
+set is on disk, downloading it once here when it is missing and the network allows. It imports torch only
+when it has to download, so a normal launch pays ~0.1 s for it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Sequence
+
+from common.config import STRATEGIES, ConfigError, fail, parse_config
+
+
+class DataMissingError(RuntimeError):
+    """A torchvision data set is neither on disk nor downloadable."""
+
+
+# The files torchvision looks for, relative to --data-dir.
+EXPECTED_FILES = {
+    "mnist": [f"MNIST/raw/{s}-{k}-ubyte" for s in ("train", "t10k") for k in ("images-idx3", "labels-idx1")],
+    "fashion-mnist": [f"FashionMNIST/raw/{s}-{k}-ubyte" for s in ("train", "t10k") for k in ("images-idx3", "labels-idx1")],
+    "cifar10": [f"cifar-10-batches-py/{f}" for f in ("batches.meta", "test_batch", *(f"data_batch_{i}" for i in range(1, 6)))],
+}
+
+
+def torchvision_dataset(name: str):
+    import torchvision  # imported here only: it costs seconds, and the built-in data set does not need it
+
+    return {"mnist": torchvision.datasets.MNIST, "fashion-mnist": torchvision.datasets.FashionMNIST,
+            "cifar10": torchvision.datasets.CIFAR10}[name]
+
+
+def data_present(name: str, data_dir: str) -> bool:
+    return name == "digits" or all(os.path.exists(os.path.join(data_dir, f)) for f in EXPECTED_FILES[name])
+
+
+def missing_data_message(name: str, data_dir: str, *, reason: str = "") -> str:
+    where = os.path.join(data_dir, os.path.dirname(EXPECTED_FILES[name][0]))
+    names = ", ".join(os.path.basename(f) for f in EXPECTED_FILES[name])
+    because = f" ({reason})" if reason else ""
+    return (f"--data-dir: {name} is not in {data_dir!r} and could not be downloaded{because}; "
+            f"put {names} in {where}/ or run once with network access")
+
+
+def ensure_data(name: str, data_dir: str) -> None:
+    """Download a missing torchvision data set, or raise DataMissingError saying where it belongs."""
+    if data_present(name, data_dir):
+        return
+    dataset_class = torchvision_dataset(name)
+    try:
+        for train in (True, False):
+            dataset_class(root=data_dir, train=train, download=True)
+    except Exception as e:  # offline: URLError / OSError / RuntimeError from torchvision
+        raise DataMissingError(missing_data_message(name, data_dir, reason=str(e).splitlines()[0])) from None
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in STRATEGIES or "--world-size" not in argv:
+        fail(f"usage: python -m common.preflight {{{','.join(STRATEGIES)}}} --world-size N [flags]")
+    strategy, rest = argv[0], argv[1:]
+    i = rest.index("--world-size")
+    world_size = int(rest[i + 1])
+    del rest[i:i + 2]
+    if "-h" in rest or "--help" in rest:
+        return  # the training script prints the help
+    try:
+        cfg = parse_config(strategy, rest, world_size=world_size)
+        ensure_data(cfg.dataset, cfg.data_dir)
+    except (ConfigError, DataMissingError) as e:
+        fail(str(e))
+
+
+if __name__ == "__main__":
+    main()

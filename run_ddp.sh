@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Train BabyCNN with DDP on NPROC processes (default 4): GPUs with NCCL when every process has one,
+# otherwise CPU with gloo. Flags go to train_ddp.py (python train_ddp.py --help lists them).
+#   bash run_ddp.sh --epochs 3 --lr 1e-3
+#   NPROC=2 bash run_ddp.sh
+# Several machines: NNODES, NODE_RANK, MASTER_ADDR (see common/launch.sh and the README).
+set -euo pipefail
+source "$(dirname "$0")/common/launch.sh"
+preflight ddp "$@"
+exec "$PYTHON" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" train_ddp.py "$@"
