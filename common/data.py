@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.preflight import DataMissingError, missing_data_message, torchvision_dataset
+from common.preflight import DataMissingError, last_line, missing_data_message, torchvision_dataset
 
 
 @dataclass
@@ -74,7 +74,7 @@ def _torchvision_split(name: str, data_dir: str, *, train: bool, download: bool)
     try:
         ds = dataset_class(root=data_dir, train=train, download=download)
     except Exception as e:  # torchvision raises RuntimeError when absent, URLError/OSError when offline
-        raise DataMissingError(missing_data_message(name, data_dir, reason=str(e).splitlines()[0] if download else "")) from None
+        raise DataMissingError(missing_data_message(name, data_dir, reason=last_line(e) if download else "")) from None
     images = torch.as_tensor(ds.data)
     images = images.unsqueeze(1) if images.ndim == 3 else images.permute(0, 3, 1, 2)  # -> [N, C, H, W]
     return Split(images.contiguous(), torch.as_tensor(ds.targets, dtype=torch.int64))

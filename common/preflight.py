@@ -56,7 +56,12 @@ def ensure_data(name: str, data_dir: str) -> None:
         for train in (True, False):
             dataset_class(root=data_dir, train=train, download=True)
     except Exception as e:  # offline: URLError / OSError / RuntimeError from torchvision
-        raise DataMissingError(missing_data_message(name, data_dir, reason=str(e).splitlines()[0])) from None
+        raise DataMissingError(missing_data_message(name, data_dir, reason=last_line(e))) from None
+
+
+def last_line(error: Exception) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
 
 
 def main(argv: Sequence[str] | None = None) -> None:

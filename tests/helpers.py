@@ -24,7 +24,7 @@ PARITY = [*SMALL, "--dropout", "0", "--max-steps", "24", "--batch-size", "96", "
 
 
 def env_for_tests() -> dict[str, str]:
-    env = dict(os.environ, PYTHON=sys.executable, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("RANK", None)
     return env
 

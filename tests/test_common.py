@@ -1,0 +1,154 @@
+"""Unit tests of common/: no processes are launched here."""
+
+import pytest
+import torch
+
+from common.config import SCHEDULES, Config, ConfigError, build_parser, parse_config
+from common.data import GlobalBatchSampler, make_digits, shard_range
+from common.model import MAX_STAGES, STAGE_STARTS, BabyCNN, build_model, split_model
+
+
+# ---------------------------------------------------------------------------------------------- model
+@pytest.mark.parametrize("in_channels,image_size", [(1, 28), (3, 32)])
+def test_model_shapes(in_channels, image_size):
+    model = BabyCNN(in_channels=in_channels, image_size=image_size, num_classes=10)
+    logits = model(torch.randn(5, in_channels, image_size, image_size))
+    assert logits.shape == (5, 10)
+    assert model.norm.normalized_shape == (64, image_size - 4, image_size - 4)
+
+
+def test_initial_weights_depend_on_the_seed_alone():
+    torch.manual_seed(123)  # the global RNG must not matter
+    a = build_model(seed=7, in_channels=1, image_size=28, num_classes=10, dropout=0.1)
+    torch.rand(100)
+    b = build_model(seed=7, in_channels=1, image_size=28, num_classes=10, dropout=0.1)
+    c = build_model(seed=8, in_channels=1, image_size=28, num_classes=10, dropout=0.1)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), name
+    assert not torch.equal(a.conv1.weight, c.conv1.weight)
+
+
+@pytest.mark.parametrize("n_stages", sorted(STAGE_STARTS))
+def test_split_model_is_the_model_in_pieces(n_stages):
+    model = build_model(seed=0, in_channels=1, image_size=28, num_classes=10, dropout=0.0).eval()
+    x = torch.randn(3, 1, 28, 28)
+    stages = split_model(model, n_stages)
+    assert len(stages) == n_stages
+    y = x
+    for stage in stages:
+        y = stage(y)
+    torch.testing.assert_close(y, model(x), rtol=0, atol=0)
+    # the stages keep the model's parameter names, and together hold each parameter exactly once
+    names = [name for stage in stages for name in stage.state_dict()]
+    assert sorted(names) == sorted(model.state_dict())
+    assert all(next(iter(stage._modules)) != "fc1" for stage in stages), "flatten must open its stage"
+
+
+def test_split_model_refuses_too_many_stages():
+    with pytest.raises(ValueError, match=f"1 to {MAX_STAGES}"):
+        split_model(BabyCNN(), MAX_STAGES + 1)
+
+
+# ---------------------------------------------------------------------------------------------- sampler
+def test_sampler_covers_each_index_once_per_epoch_and_epochs_differ():
+    sampler = GlobalBatchSampler(1000, 100, seed=3)
+    assert sampler.steps_per_epoch == 10 and sampler.left_out_per_epoch == 0
+    epochs = [torch.cat([sampler.global_batch(s) for s in range(1 + 10 * e, 11 + 10 * e)]) for e in range(3)]
+    for indices in epochs:
+        assert torch.equal(indices.sort().values, torch.arange(1000))
+    assert not torch.equal(epochs[0], epochs[1]) and not torch.equal(epochs[1], epochs[2])
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_rank_slices_are_disjoint_and_rebuild_the_global_batch(world_size):
+    sampler = GlobalBatchSampler(2000, 96, seed=0)
+    for step in (1, 2, 21, 22, 40):  # both sides of an epoch boundary (20 steps per epoch)
+        slices = [sampler.rank_batch(step, r, world_size) for r in range(world_size)]
+        assert all(len(s) == 96 // world_size for s in slices)
+        assert torch.equal(torch.cat(slices), sampler.global_batch(step))
+        assert len(set(torch.cat(slices).tolist())) == 96
+
+
+def test_global_batches_do_not_depend_on_world_size_or_a_fresh_sampler():
+    a, b = GlobalBatchSampler(2000, 96, seed=5), GlobalBatchSampler(2000, 96, seed=5)
+    for step in (30, 1, 7, 30):  # any order: resuming at step s needs only s
+        assert torch.equal(a.global_batch(step), b.global_batch(step))
+    assert not torch.equal(a.global_batch(1), GlobalBatchSampler(2000, 96, seed=6).global_batch(1))
+
+
+def test_sampler_reports_samples_left_out_per_epoch():
+    sampler = GlobalBatchSampler(1000, 96, seed=0)
+    assert (sampler.steps_per_epoch, sampler.left_out_per_epoch) == (10, 40)
+    with pytest.raises(ValueError, match="larger than the data set"):
+        GlobalBatchSampler(50, 96, seed=0)
+
+
+def test_shard_range_balances_and_covers():
+    for n, world in [(10, 3), (2000, 4), (3, 4)]:
+        shards = [shard_range(n, r, world) for r in range(world)]
+        assert [i for s in shards for i in s] == list(range(n))
+        assert max(map(len, shards)) - min(map(len, shards)) <= 1
+
+
+# ---------------------------------------------------------------------------------------------- data
+def test_digits_are_deterministic_balanced_and_distinct_between_splits():
+    a, b = make_digits(600, seed=0), make_digits(600, seed=0)
+    assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels)
+    assert a.images.shape == (600, 1, 28, 28) and a.images.dtype == torch.uint8
+    assert not torch.equal(make_digits(600, seed=1).images, a.images)
+    assert not torch.equal(make_digits(600, seed=0, test=True).images, a.images)
+    counts = torch.bincount(a.labels, minlength=10)
+    assert counts.min() > 30  # every digit present, roughly balanced
+    # images of the same digit vary (position, shape, noise): they are not copies of a template
+    ones = a.images[a.labels == 1].float()
+    assert (ones[0] - ones[1]).abs().mean() > 5
+
+
+# ---------------------------------------------------------------------------------------------- config
+def test_every_flag_has_help_from_the_field_docs():
+    for strategy in ("ddp", "fsdp", "pippy"):
+        for action in build_parser(strategy)._actions:
+            if action.dest != "help":
+                assert action.help and len(action.help) > 10, action.dest
+
+
+def test_flags_are_limited_to_their_strategy():
+    assert parse_config("fsdp", ["--sharding", "grad-op"]).sharding == "grad-op"
+    with pytest.raises(ConfigError, match="unrecognized arguments: --sharding"):
+        parse_config("ddp", ["--sharding", "full"])
+    assert parse_config("pippy", ["--schedule", SCHEDULES[0]]).schedule == SCHEDULES[0]
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--dataset", "imagenet"], "--dataset"),
+    (["--optimizer", "lamb"], "--optimizer"),
+    (["--lr", "0"], "--lr"),
+    (["--lr", "-1e-3"], "--lr"),
+    (["--lr", "nan"], "--lr"),
+    (["--lr", "abc"], "--lr"),
+    (["--epochs", "0"], "--epochs"),
+    (["--max-steps", "-1"], "--max-steps"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--batch-size", "12.5"], "--batch-size"),
+    (["--dropout", "1"], "--dropout"),
+    (["--precision", "fp8"], "--precision"),
+    (["--batch-size", "10", "--grad-accum-steps", "3"], "--grad-accum-steps"),
+])
+def test_bad_flags_name_the_flag(argv, flag):
+    with pytest.raises(ConfigError) as error:
+        parse_config("ddp", argv)
+    assert flag in str(error.value) and "\n" not in str(error.value)
+
+
+def test_world_size_must_divide_the_global_batch():
+    parse_config("ddp", ["--batch-size", "96"], world_size=3)
+    with pytest.raises(ConfigError, match="--batch-size: the global batch 128 .* 3 processes; use a multiple of 3"):
+        parse_config("ddp", [], world_size=3)
+    with pytest.raises(ConfigError, match="--batch-size"):
+        parse_config("ddp", ["--batch-size", "96", "--grad-accum-steps", "2"], world_size=5)
+
+
+def test_defaults_are_valid_for_every_strategy():
+    for strategy in ("ddp", "fsdp", "pippy"):
+        cfg = parse_config(strategy, [], world_size=4)
+        assert cfg.out == f"runs/{strategy}" and isinstance(cfg, Config)
