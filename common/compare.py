@@ -1,0 +1,233 @@
+"""Compare runs: loss curves, accuracy, speed and memory of several run folders in one figure and a table.
+
+    python -m common.compare runs/ref runs/ddp runs/fsdp runs/pippy --out compare.png [--markdown] [--log]
+
+The first run is the reference: the table gives every run's largest per-step |loss - reference loss|.
+Runs whose data set, global batch, seed or model differ are refused (their curves are not comparable);
+`--force` compares them anyway and still prints the differences. Reads only metrics.jsonl and run.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+# What must agree for two loss curves to be comparable step by step.
+MUST_MATCH = {"dataset": "data set", "train_size": "data set size", "test_size": "test set size",
+              "batch_size": "global batch", "seed": "seed", "dropout": "model (dropout)"}
+
+
+class CompareError(ValueError):
+    pass
+
+
+@dataclass
+class Run:
+    path: str
+    info: dict[str, Any]
+    losses: dict[int, float] = field(default_factory=dict)        # step -> train loss
+    step_times: dict[int, float] = field(default_factory=dict)    # step -> seconds
+    evals: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.info["config"]
+
+    @property
+    def settings(self) -> str:
+        """The strategy and the settings that tell its runs apart."""
+        c, strategy = self.config, self.info["strategy"]
+        parts = [strategy]
+        if strategy == "fsdp":
+            parts.append(c.get("sharding", ""))
+        if strategy == "pippy":
+            parts.append(f"{c.get('schedule')} m={c.get('n_microbatches')}")
+            if c.get("dp", 1) > 1:
+                parts.append(f"dp={c['dp']}")
+        if c.get("grad_accum_steps", 1) > 1:
+            parts.append(f"accum={c['grad_accum_steps']}")
+        if c.get("precision") != "fp32":
+            parts.append(c.get("precision", ""))
+        return " ".join(p for p in parts if p)
+
+    @property
+    def label(self) -> str:
+        return f"{os.path.basename(os.path.normpath(self.path))} ({self.settings}, {self.info['world_size']} proc)"
+
+    def memory_per_rank(self) -> list[int]:
+        """param + grad + optimizer bytes of each rank."""
+        return [m["param_bytes"] + m["grad_bytes"] + m["optim_bytes"] for m in self.info["memory"]["per_rank"]]
+
+    def cuda_peak(self) -> int | None:
+        peaks = [m.get("cuda_peak_bytes") for m in self.info["memory"]["per_rank"]]
+        return max(peaks) if all(p is not None for p in peaks) and peaks else None
+
+
+def load_run(path: str) -> Run:
+    run_json, metrics = os.path.join(path, "run.json"), os.path.join(path, "metrics.jsonl")
+    for needed in (run_json, metrics):
+        if not os.path.exists(needed):
+            raise CompareError(f"{path}: no {os.path.basename(needed)} (is this a finished run folder?)")
+    with open(run_json) as f:
+        run = Run(path, json.load(f))
+    with open(metrics) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if record["kind"] == "train":
+                run.losses[record["step"]] = record["loss"]
+                run.step_times[record["step"]] = record["step_time_s"]
+            else:
+                run.evals.append(record)
+    return run
+
+
+def differences(runs: Sequence[Run]) -> list[str]:
+    """One line per setting in MUST_MATCH that differs from the reference (the first run)."""
+    lines = []
+    for key, what in MUST_MATCH.items():
+        ref = runs[0].config.get(key)
+        for run in runs[1:]:
+            if run.config.get(key) != ref:
+                lines.append(f"{what} differs: --{key.replace('_', '-')} {run.config.get(key)} in {run.path} "
+                             f"vs {ref} in {runs[0].path}")
+    return lines
+
+
+def max_loss_delta(run: Run, ref: Run) -> float | None:
+    """Largest |loss - reference loss| over the steps both runs logged (None if they share none)."""
+    common = sorted(set(run.losses) & set(ref.losses))
+    return max(abs(run.losses[s] - ref.losses[s]) for s in common) if common else None
+
+
+def table_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
+    rows = []
+    for run in runs:
+        final = run.info.get("final", {})
+        rows.append({
+            "run": os.path.basename(os.path.normpath(run.path)), "settings": run.settings,
+            "world size": run.info["world_size"], "steps": len(run.losses),
+            "final train loss": final.get("train_loss"), "test accuracy": final.get("test_accuracy"),
+            "samples/s": final.get("samples_per_s"),
+            "memory/rank (MiB)": max(run.memory_per_rank()) / 2**20,
+            "max |Δloss| vs ref": max_loss_delta(run, runs[0]),
+        })
+    return rows
+
+
+def _cell(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if key == "test accuracy":
+        return f"{100 * value:.2f}%"
+    if key == "max |Δloss| vs ref":
+        return f"{value:.1e}"
+    if key == "final train loss":
+        return f"{value:.4f}"
+    if isinstance(value, float):
+        return f"{value:.1f}" if key.startswith("memory") else f"{value:.0f}"
+    return str(value)
+
+
+def format_table(rows: list[dict[str, Any]], *, markdown: bool) -> str:
+    keys = list(rows[0])
+    cells = [[_cell(k, row[k]) for k in keys] for row in rows]
+    if markdown:
+        lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+        return "\n".join(lines + ["| " + " | ".join(c) + " |" for c in cells])
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+    line = lambda values: "  ".join(v.ljust(w) for v, w in zip(values, widths))  # noqa: E731
+    return "\n".join([line(keys), line(["-" * w for w in widths]), *map(line, cells)])
+
+
+def plot(runs: Sequence[Run], out: str, *, log_scale: bool) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(17, 9.5))
+    (ax_step, ax_time, ax_acc), (ax_delta, ax_speed, ax_mem) = axes
+    ref = runs[0]
+    for i, run in enumerate(runs):
+        steps = sorted(run.losses)
+        style = {"label": run.label, "color": f"C{i}", "linewidth": 1.4, "alpha": 0.85,
+                 "linestyle": "-" if i == 0 else "--"}
+        ax_step.plot(steps, [run.losses[s] for s in steps], **style)
+        elapsed, t = [], 0.0
+        for s in steps:
+            t += run.step_times[s]
+            elapsed.append(t)
+        ax_time.plot(elapsed, [run.losses[s] for s in steps], **style)
+        if run.evals:
+            ax_acc.plot([e["step"] for e in run.evals], [100 * e["test_accuracy"] for e in run.evals],
+                        marker="o", **style)
+        if i:
+            shared = [s for s in steps if s in ref.losses]
+            ax_delta.plot(shared, [max(abs(run.losses[s] - ref.losses[s]), 1e-9) for s in shared], **style)
+    ax_step.set(title="training loss per step", xlabel="optimizer step", ylabel="loss (mean over the global batch)")
+    ax_time.set(title="training loss against training time", xlabel="seconds (sum of step times)", ylabel="loss")
+    ax_acc.set(title="test accuracy at each evaluation", xlabel="optimizer step", ylabel="test accuracy (%)")
+    ax_delta.set(title=f"|loss - loss of {os.path.basename(os.path.normpath(ref.path))}| per step (equal: drawn at 1e-9)",
+                 xlabel="optimizer step", ylabel="|Δloss|", yscale="log")
+    for ax in (ax_step, ax_time):
+        if log_scale:
+            ax.set_yscale("log")
+    names = [os.path.basename(os.path.normpath(r.path)) for r in runs]
+    colors = [f"C{i}" for i in range(len(runs))]
+    ax_speed.bar(names, [r.info["final"]["samples_per_s"] or 0 for r in runs], color=colors)
+    ax_speed.set(title="training throughput", ylabel="samples / s")
+    width = 0.8 / max(len(r.memory_per_rank()) for r in runs)
+    for i, run in enumerate(runs):
+        per_rank = run.memory_per_rank()
+        for rank, value in enumerate(per_rank):
+            ax_mem.bar(i - 0.4 + width * (rank + 0.5), value / 2**20, width=width * 0.9, color=colors[i],
+                       edgecolor="black", linewidth=0.3)
+        if run.cuda_peak() is not None:
+            ax_mem.plot([i - 0.4, i + 0.4], [run.cuda_peak() / 2**20] * 2, color="black", linestyle=":")
+    ax_mem.set_xticks(range(len(runs)), names)
+    ax_mem.set(title="memory per rank: parameters + gradients + optimizer state\n(one bar per rank; dotted: CUDA peak)",
+               ylabel="MiB")
+    for ax in (ax_speed, ax_mem):
+        ax.tick_params(axis="x", rotation=20)
+    handles, labels = ax_step.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(runs), 3), fontsize=9, frameon=False)
+    fig.suptitle(f"BabyCNN on {ref.config['dataset']}, global batch {ref.config['batch_size']}, seed {ref.config['seed']}")
+    fig.tight_layout(rect=(0, 0.07, 1, 0.97))
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m common.compare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", help="run folders (with metrics.jsonl and run.json); the first is the reference")
+    parser.add_argument("--out", default="compare.png", help="where to write the figure (PNG)")
+    parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    parser.add_argument("--log", action="store_true", help="log scale for the loss axes")
+    parser.add_argument("--force", action="store_true", help="compare runs even if their data, batch, seed or model differ")
+    args = parser.parse_args(argv)
+    try:
+        runs = [load_run(path) for path in args.runs]
+        diffs = differences(runs)
+        if diffs and not args.force:
+            raise CompareError(f"runs are not comparable: {diffs[0]}"
+                               + (f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else "") + "; use --force to compare anyway")
+    except CompareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for line in diffs:
+        print(f"warning: {line}", file=sys.stderr)
+    print(format_table(table_rows(runs), markdown=args.markdown))
+    plot(runs, args.out, log_scale=args.log)
+    print(f"figure: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

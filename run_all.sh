@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Run a 1-process reference and the three strategies with the same flags, then compare them:
+#   bash run_all.sh                          # defaults: runs/compare/{ref,ddp,fsdp,pippy} + compare.png
+#   bash run_all.sh --dropout 0 --max-steps 100
+#   OUT=runs/bf16 bash run_all.sh --precision bf16
+# NPROC (default 4) processes for each strategy; the reference is `python train_ddp.py` on one process.
+set -euo pipefail
+source "$(dirname "$0")/common/launch.sh"
+OUT=${OUT:-runs/compare}
+for arg in "$@"; do
+  if [[ $arg == --out || $arg == --out=* ]]; then
+    echo "error: --out: run_all.sh chooses the run folders itself; set OUT=folder instead" >&2
+    exit 2
+  fi
+done
+preflight ddp "$@"  # the shared flags, checked once before anything runs
+
+echo "== 1-process reference -> $OUT/ref"
+"$PYTHON" train_ddp.py "$@" --out "$OUT/ref"
+for strategy in ddp fsdp pippy; do
+  echo "== $strategy on $NPROC processes -> $OUT/$strategy"
+  bash "run_$strategy.sh" "$@" --out "$OUT/$strategy"
+done
+echo "== comparison"
+"$PYTHON" -m common.compare "$OUT/ref" "$OUT/ddp" "$OUT/fsdp" "$OUT/pippy" --out "$OUT/compare.png" --markdown

@@ -1,0 +1,72 @@
+"""run_all.sh and common.compare on runs of the real scripts: figure, table, refusal of mismatched runs."""
+
+import re
+import struct
+import sys
+
+import pytest
+
+from tests.helpers import PARITY, env_for_tests, launch, read_metrics, run_command
+
+RUNS = ("ref", "ddp", "fsdp", "pippy")
+
+
+@pytest.fixture(scope="module")
+def run_all(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare")
+    proc = run_command(["bash", "run_all.sh", *PARITY], env={**env_for_tests(), "NPROC": "2", "OUT": str(out)},
+                       timeout=480)
+    return out, proc.stdout
+
+
+def markdown_rows(stdout: str) -> dict[str, dict[str, str]]:
+    lines = [line for line in stdout.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [dict(zip(header, (c.strip() for c in line.strip("|").split("|")))) for line in lines[2:]]
+    return {row["run"]: row for row in rows}
+
+
+def test_run_all_writes_a_figure(run_all):
+    out, stdout = run_all
+    png = (out / "compare.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", png[16:24])
+    assert width > 1000 and height > 600
+    assert f"figure: {out / 'compare.png'}" in stdout
+
+
+def test_table_numbers_match_the_metrics(run_all):
+    out, stdout = run_all
+    rows = markdown_rows(stdout)
+    assert sorted(rows) == sorted(RUNS)
+    for name in RUNS:
+        train, evals = read_metrics(out / name)
+        row = rows[name]
+        assert row["final train loss"] == f"{train[max(train)]['loss']:.4f}"
+        assert row["test accuracy"] == f"{100 * evals[-1]['test_accuracy']:.2f}%"
+        assert row["steps"] == str(len(train)) == "24"
+        assert int(row["world size"]) == (1 if name == "ref" else 2)
+    assert rows["fsdp"]["settings"].startswith("fsdp") and rows["pippy"]["settings"].startswith("pippy")
+
+
+def test_equal_runs_have_equal_curves(run_all):
+    _, stdout = run_all
+    for name, row in markdown_rows(stdout).items():
+        assert float(row["max |Δloss| vs ref"]) <= 1e-4, (name, row)
+
+
+def test_mismatched_runs_are_refused_unless_forced(run_all, tmp_path):
+    out, _ = run_all
+    launch("train_ddp.py", 1, [*PARITY, "--seed", "1", "--max-steps", "3"], tmp_path / "seed1")
+    cmd = [sys.executable, "-m", "common.compare", str(out / "ref"), str(tmp_path / "seed1"), "--out", str(tmp_path / "c.png")]
+    refused = run_command(cmd, check=False, timeout=120)
+    assert refused.returncode == 2 and not (tmp_path / "c.png").exists()
+    assert re.fullmatch(r"error: runs are not comparable: seed differs: --seed 1 in \S+ vs 0 in \S+; "
+                        r"use --force to compare anyway\n", refused.stderr), refused.stderr
+    forced = run_command([*cmd, "--force"], timeout=120)
+    assert "warning: seed differs" in forced.stderr and (tmp_path / "c.png").exists()
+
+
+def test_compare_names_a_folder_that_is_not_a_run(tmp_path):
+    proc = run_command([sys.executable, "-m", "common.compare", str(tmp_path)], check=False, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"error: {tmp_path}: no run.json (is this a finished run folder?)"
