@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint
+from common.checkpoint import latest_checkpoint, load_checkpoint, resume_requested, save_checkpoint
 from common.config import parse_config
 from common.data import GlobalBatchSampler, load_dataset, to_device_batch
 from common.distributed import RankLogger, run, seed_everything, setup_distributed, teardown_distributed
@@ -65,9 +65,9 @@ def train(cfg, env) -> None:
     optimizer = build_optimizer(model.parameters(), cfg)
 
     start_step = 0
-    if cfg.resume and (found := complete_checkpoints(cfg.out)):
-        start_step = load_checkpoint(found[-1][1], model=model, optimizers=[optimizer])
-        log(f"resumed from {found[-1][1]} (step {start_step})")
+    if resume_requested(cfg.resume) and (path := latest_checkpoint(cfg.out, log=log)):
+        start_step = load_checkpoint(path, model=model, optimizers=[optimizer])
+        log(f"resumed from {path} (step {start_step})")
     metrics = MetricsWriter(cfg.out, enabled=env.is_main, total_steps=steps, log_every=cfg.log_every,
                             start_step=start_step)
 

@@ -4,30 +4,35 @@ Layout under `<out>/checkpoints/`:
     step_0000015/            one complete checkpoint, written after optimizer step 15
         .metadata, *.distcp  DCP: model and optimizer state, each rank writing only what it holds
         rng_rank<r>.pt       each rank's RNG state (dropout masks continue exactly after a resume)
-        meta.json            step, world size, strategy: written last, before the rename that commits
+        meta.json            step, world size, strategy, and the size and SHA-256 of every file above:
+                             written last, before the rename that commits
     step_0000030.tmp/        a save in progress (or one a crash interrupted): never loaded
 
 A checkpoint becomes visible only by the atomic rename of its `.tmp` folder, after every rank finished
-writing, so a crash during a save never leaves a "latest" that cannot be loaded. Keys are the model's
-own parameter names (`conv1.weight`, ...) through `get_state_dict`, which strips DDP's `module.` prefix
-and gathers nothing for FSDP: DCP reshards at load time, so a checkpoint saved on 4 ranks loads on 2 or 1,
-and one strategy's checkpoint can be loaded by another. The sampler needs no state: step s fixes the data.
+writing, so a crash during a save never leaves a "latest" that cannot be loaded; a file damaged later
+(truncated, corrupted) fails verification on load, and the previous checkpoint is used instead, loudly.
+Keys are the model's own parameter names (`conv1.weight`, ...) through `get_state_dict`, which strips
+DDP's `module.` prefix and gathers nothing for FSDP: DCP reshards at load time, so a checkpoint saved on
+4 ranks loads on 2 or 1, and one strategy's checkpoint can be loaded by another. The sampler needs no
+state: step s fixes the data. Loading reads tensors through DCP and RNG states with weights_only=True:
+nothing is unpickled that could run code.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
 _COMPLETE = re.compile(r"^step_(\d{7})$")
 
@@ -47,10 +52,17 @@ def complete_checkpoints(out_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+# Optimizer state keyed by parameter name (optim.state.conv1.weight.exp_avg, optim.param_groups.conv1.weight.lr).
+# The nested default keys param groups by position, so pipeline ranks, each holding different parameters,
+# would write different groups under one key, and a resume would load another rank's (no betas, wrong params).
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def _state(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dict:
     if not optimizers:  # a pipeline rank whose stages have no parameters has no optimizer
-        return {"model": get_model_state_dict(model)}
-    model_sd, optim_sd = get_state_dict(model, list(optimizers))
+        # and, without buffers either, no state at all (get_model_state_dict refuses to return an empty one)
+        return {"model": get_model_state_dict(model) if model.state_dict() else {}}
+    model_sd, optim_sd = get_state_dict(model, list(optimizers), options=_OPTIONS)
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -67,8 +79,12 @@ def save_checkpoint(out_dir: str, step: int, *, model: nn.Module,
     torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
     dist.barrier()  # every rank has written everything
     if rank == 0:
+        meta = {"step": step, "world_size": dist.get_world_size(), "strategy": strategy,
+                "files": {name: _fingerprint(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump({"step": step, "world_size": dist.get_world_size(), "strategy": strategy}, f)
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
         if os.path.exists(final):  # the same step saved before a restart: keep the committed one
             shutil.rmtree(tmp)
         else:
@@ -80,6 +96,51 @@ def save_checkpoint(out_dir: str, step: int, *, model: nn.Module,
     return final
 
 
+class CheckpointError(RuntimeError):
+    """No checkpoint that passes verification."""
+
+
+def verify_checkpoint(path: str) -> str | None:
+    """None if every file of the checkpoint has the size and SHA-256 recorded at save time, else the problem."""
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"meta.json unreadable ({e})"
+    for name, expected in files.items():
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            return f"{name} is missing"
+        actual = _fingerprint(file)
+        if actual["bytes"] != expected["bytes"]:
+            return f"{name} has {actual['bytes']} bytes, {expected['bytes']} were written (truncated?)"
+        if actual["sha256"] != expected["sha256"]:
+            return f"{name} does not match its checksum (corrupted)"
+    return None
+
+
+def latest_checkpoint(out_dir: str, *, log: Callable[[str], None] = print) -> str | None:
+    """The newest checkpoint in `out_dir` that passes verification, or None if there is none at all.
+
+    A damaged one is skipped for the previous one, loudly; if every checkpoint is damaged, CheckpointError
+    (never a silent fresh start that would overwrite the run's history)."""
+    found = complete_checkpoints(out_dir)
+    for _, path in reversed(found):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path
+        log(f"WARNING: checkpoint {path} is damaged: {problem}; trying the previous one")
+    if found:
+        raise CheckpointError(f"--resume: no checkpoint in {checkpoint_dir(out_dir)} passes verification; "
+                              f"move the folder away to start afresh")
+    return None
+
+
+def resume_requested(resume_flag: bool) -> bool:
+    """--resume, or torchrun restarted the group after a failure (then resuming is the only sane choice)."""
+    return resume_flag or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
 def load_checkpoint(path: str, *, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> int:
     """Load `path` into the (already wrapped or sharded) model and optimizers; returns its step."""
     with open(os.path.join(path, "meta.json")) as f:
@@ -87,13 +148,22 @@ def load_checkpoint(path: str, *, model: nn.Module, optimizers: Sequence[torch.o
     state = _state(model, optimizers)
     dcp.load(state, checkpoint_id=path)
     if optimizers:
-        set_state_dict(model, list(optimizers), model_state_dict=state["model"], optim_state_dict=state["optim"])
-    else:
+        set_state_dict(model, list(optimizers), model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=_OPTIONS)
+    elif state["model"]:
         set_model_state_dict(model, state["model"])
     rng_file = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
     if meta["world_size"] == dist.get_world_size() and os.path.exists(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=True))
     return int(meta["step"])
+
+
+def _fingerprint(file: str) -> dict[str, object]:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {"bytes": os.path.getsize(file), "sha256": digest.hexdigest()}
 
 
 def _rng_state() -> dict[str, torch.Tensor]:

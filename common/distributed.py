@@ -92,15 +92,17 @@ class RankLogger:
 def run(main: Callable[[], None]) -> None:
     """Run a script's `main`, turning the errors a user can fix into one line and exit code 1.
 
-    Bad flags and missing data are the same on every rank, so only rank 0 reports them; a non-finite
+    Bad flags, missing data and unusable checkpoints are the same on every rank, so only rank 0 reports
+    them; a non-finite
     loss names the rank that saw it. Anything else is a bug and keeps its traceback."""
+    from common.checkpoint import CheckpointError
     from common.config import ConfigError, fail
     from common.preflight import DataMissingError
 
     rank = int(os.environ.get("RANK", 0))
     try:
         main()
-    except (ConfigError, DataMissingError) as e:
+    except (ConfigError, DataMissingError, CheckpointError) as e:
         if rank == 0:
             fail(str(e))
         raise SystemExit(2) from None

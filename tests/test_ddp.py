@@ -130,3 +130,47 @@ def test_plain_python_rejects_bad_input_with_one_line(tmp_path):
 def test_help_lists_flags_with_their_docs():
     proc = run_command([sys.executable, "train_ddp.py", "--help"], timeout=60)
     assert "GLOBAL batch size" in proc.stdout and "--grad-accum-steps" in proc.stdout
+
+
+# --------------------------------------------------------------------------------------------- checkpoints
+def _damaged_copy(runs, tmp_path, damage):
+    """A copy of the 2-rank run folder (checkpoints at steps 12 and 24) with its step-24 checkpoint damaged."""
+    out = tmp_path / "run"
+    shutil.copytree(runs["runner2"], out)
+    shard = sorted((out / "checkpoints" / "step_0000024").glob("*.distcp"))[0]
+    damage(shard)
+    return out
+
+
+def test_a_truncated_checkpoint_is_detected_and_skipped_loudly(runs, tmp_path):
+    from common.checkpoint import latest_checkpoint, verify_checkpoint
+
+    out = _damaged_copy(runs, tmp_path, lambda f: f.write_bytes(f.read_bytes()[:1000]))
+    problem = verify_checkpoint(str(out / "checkpoints" / "step_0000024"))
+    assert problem and "truncated" in problem
+    warnings = []
+    assert latest_checkpoint(str(out), log=warnings.append) == str(out / "checkpoints" / "step_0000012")
+    assert len(warnings) == 1 and "step_0000024 is damaged" in warnings[0]
+
+
+def test_a_corrupted_checkpoint_is_detected_and_resume_falls_back(runs, tmp_path):
+    def flip_a_byte(f):
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+
+    out = _damaged_copy(runs, tmp_path, flip_a_byte)
+    proc = launch("train_ddp.py", 2, [*PARITY, "--resume"], out)
+    assert "step_0000024 is damaged" in proc.stdout and "does not match its checksum" in proc.stdout
+    assert "resumed from" in proc.stdout and "(step 12)" in proc.stdout
+    assert max_abs_diff(losses(out), losses(runs["runner2"])) <= 1e-6
+
+
+def test_resume_refuses_when_every_checkpoint_is_damaged(runs, tmp_path):
+    out = _damaged_copy(runs, tmp_path, lambda f: f.write_bytes(b""))
+    for meta in (out / "checkpoints").glob("*/meta.json"):
+        meta.write_text("{")
+    proc = launch("train_ddp.py", 1, [*PARITY, "--resume"], out, check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "error: --resume: no checkpoint in" in proc.stderr and "passes verification" in proc.stderr
+    assert (out / "checkpoints" / "step_0000012").exists(), "a damaged checkpoint is never deleted"
