@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from tests.helpers import PARITY, SMALL, env_for_tests, launch, losses, max_abs_diff, read_metrics, read_run, run_command
+from tests.helpers import (PARITY, ROOT, env_for_tests, launch, losses, max_abs_diff, read_metrics, read_run,
+                           run_command)
 
 # SGD (momentum 0.9) at a learning rate where the 1-process run is itself stable across thread counts:
 # at 0.02 the loss spikes and 4-rank runs drift 2e-4 from it within 24 steps; at 0.005 1- vs 2-thread runs
@@ -174,3 +175,26 @@ def test_resume_refuses_when_every_checkpoint_is_damaged(runs, tmp_path):
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "error: --resume: no checkpoint in" in proc.stderr and "passes verification" in proc.stderr
     assert (out / "checkpoints" / "step_0000012").exists(), "a damaged checkpoint is never deleted"
+
+
+# --------------------------------------------------------------------------------------------- several machines
+def test_two_torchrun_agents_reproduce_the_single_agent_curve(runs, tmp_path):
+    """NNODES=2: two runners, 2 processes each, meeting through the c10d rendezvous as two machines would."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**env_for_tests(), "NNODES": "2", "NPROC": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    cmd = ["bash", "run_ddp.sh", *PARITY, "--out", str(tmp_path / "out")]
+    agents = [subprocess.Popen(cmd, env={**env, "NODE_RANK": str(n)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, cwd=ROOT) for n in (0, 1)]
+    try:
+        outputs = [agent.communicate(timeout=240)[0] for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    assert [agent.returncode for agent in agents] == [0, 0], outputs
+    assert read_run(tmp_path / "out")["world_size"] == 4
+    assert max_abs_diff(losses(tmp_path / "out"), losses(runs["ref"])) <= 1e-4
