@@ -55,8 +55,19 @@ def setup_distributed(*, device: str = "auto", timeout_s: int = 300, threads: in
         torch.set_num_threads(threads or max(1, cores // local_world_size))
 
     timeout = timedelta(seconds=timeout_s)
-    if "RANK" in os.environ:  # launched by torchrun: MASTER_ADDR/PORT are in the environment
-        dist.init_process_group(backend, timeout=timeout, device_id=dev if use_cuda else None)
+    device_id = dev if use_cuda else None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent hosts the store at MASTER_ADDR:MASTER_PORT and keeps the same one when it
+        # restarts the workers (--max-restarts). Keys the failed attempt wrote (each rank's address) would
+        # then be read by the new attempt, whose ranks dial dead ports until the timeout. A prefix per
+        # attempt keeps the attempts apart.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                              is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}/", store), rank=rank,
+                                world_size=world_size, timeout=timeout, device_id=device_id)
+    elif "RANK" in os.environ:  # another launcher that sets MASTER_ADDR/PORT (env:// rendezvous)
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
     else:  # plain `python train_x.py`: a world of one, no port needed
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return DistEnv(rank, local_rank, world_size, local_world_size, dev, backend)
