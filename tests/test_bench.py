@@ -1,0 +1,70 @@
+"""The benchmark itself, on tiny settings: it launches real runs (the suite's DDP on 1 and 2 processes, the
+conventional baseline on 2) and writes a JSON whose numbers are real, positive and consistent with each
+other and with the runs' own metrics. Nothing here asserts a speed: timing belongs in the benchmark's
+output, not in a pass/fail."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import read_metrics, run_command
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    run_command([sys.executable, "-m", "common.bench", "--quick", "--out", str(out)], timeout=240)
+    assert (out / "bench.md").read_text().count("\n| ddp | fp32 |") == 2
+    return json.loads((out / "bench.json").read_text())
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_peak_and_model_flops(report):
+    assert all(positive(v) for v in report["peak_by_threads_gflops"].values())
+    layers = {layer["layer"]: layer for layer in report["model"]["layers"]}
+    # conv2: 24x24 outputs x 64 channels x (32 x 3 x 3) multiply-adds, x 2 FLOPs, forward
+    assert layers["conv2"]["forward"] == 2 * 24 * 24 * 64 * 32 * 9
+    assert layers["conv1"]["backward"] == layers["conv1"]["forward"]  # no gradient for the images
+    assert layers["conv2"]["backward"] == 2 * layers["conv2"]["forward"]
+    assert 70e6 < report["model"]["train_flops_per_sample"] < 73e6  # the issue's "about 72 MFLOP"
+
+
+def test_every_launch_ran_and_its_numbers_agree_with_its_metrics(report):
+    runs = report["runs"]
+    assert [(r["strategy"], r["nproc"]) for r in runs] == [("ddp", 1), ("baseline", 2), ("ddp", 2)]
+    batch, warmup = report["settings"]["batch_size"], report["settings"]["warmup_steps"]
+    for r in runs:
+        assert r["ok"], r.get("error")
+        st = r["step_time_s"]
+        assert r["timed_steps"] == report["settings"]["timed_steps"]
+        assert 0 < st["min"] <= st["p10"] <= st["median"] <= st["p90"] <= st["max"]
+        # samples/s is the global batch over the mean step time of the timed steps, read from metrics.jsonl
+        train, _ = read_metrics(Path(r["out"]))
+        timed = [train[s]["step_time_s"] for s in sorted(train) if s > warmup]
+        assert r["samples_per_s"] == pytest.approx(batch * len(timed) / sum(timed))
+        assert st["mean"] == pytest.approx(sum(timed) / len(timed))
+        # the launch came before the first step, which came before the end of the run
+        assert 0 < r["launch_to_first_step_s"] < r["first_record_s"] < r["wall_s"]
+        assert len(r["peak_rss_bytes"]) == r["nproc"] and all(positive(v) for v in r["peak_rss_bytes"])
+        assert len(r["tensor_bytes_per_rank"]) == r["nproc"] and all(positive(v) for v in r["tensor_bytes_per_rank"])
+        assert r["model_gflops"] == pytest.approx(r["samples_per_s"] * report["model"]["train_flops_per_sample"] / 1e9)
+        assert r["peak_fraction"] == pytest.approx(r["model_gflops"] / report["peak_gflops"]["fp32"])
+    ddp1, baseline2, ddp2 = runs
+    # BabyCNN + AdamW state: parameters, gradients and two moments, 4 x 4 bytes per parameter, on every rank
+    assert ddp1["tensor_bytes_per_rank"][0] == ddp2["tensor_bytes_per_rank"][1] == baseline2["tensor_bytes_per_rank"][0]
+    assert ddp2["vs_baseline"] == pytest.approx(ddp2["samples_per_s"] / baseline2["samples_per_s"])
+    assert 0 <= baseline2["data_share"] < 1
+    assert 0 <= ddp1["test_accuracy"] <= 1
+
+
+def test_step_breakdown_shares_add_up(report):
+    (loop,) = report["loop_breakdown"]
+    assert sum(loop["share"].values()) == pytest.approx(1, abs=1e-6)
+    assert all(0 < v < 1 for v in loop["share"].values())
+    assert report["scaling"]["ddp"].keys() == {"1", "2"}
