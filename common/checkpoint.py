@@ -70,6 +70,14 @@ def save_checkpoint(out_dir: str, step: int, *, model: nn.Module,
                     optimizers: Sequence[torch.optim.Optimizer], strategy: str, keep: int = 0) -> str:
     """Write the checkpoint of step `step` (all ranks call this). Returns its path."""
     rank = dist.get_rank()
+    # A non-finite weight would make this checkpoint the "latest" one that every resume chokes on.
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    finite = torch.tensor([all(bool(torch.isfinite(p.detach()).all()) for p in model.parameters())],
+                          dtype=torch.int32, device=device)
+    dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    if not finite.item():
+        raise FloatingPointError(f"the weights are not finite after step {step}; no checkpoint written, the "
+                                 f"last good one stays the latest; lower --lr or use --precision fp32")
     final = os.path.join(checkpoint_dir(out_dir), f"step_{step:07d}")
     tmp = final + ".tmp"
     if rank == 0 and os.path.exists(tmp):

@@ -1,6 +1,7 @@
 """DDP on real processes (gloo): loss parity with one process, accumulation, resume, the runner, bad input."""
 
 import math
+import re
 import shutil
 import sys
 
@@ -198,3 +199,14 @@ def test_two_torchrun_agents_reproduce_the_single_agent_curve(runs, tmp_path):
     assert [agent.returncode for agent in agents] == [0, 0], outputs
     assert read_run(tmp_path / "out")["world_size"] == 4
     assert max_abs_diff(losses(tmp_path / "out"), losses(runs["ref"])) <= 1e-4
+
+
+def test_a_diverging_run_stops_naming_the_step_and_keeps_its_last_checkpoint(tmp_path):
+    proc = launch("train_ddp.py", 2, [*PARITY, "--optimizer", "sgd", "--lr", "1e30", "--warmup-steps", "0",
+                                      "--checkpoint-every", "1"], tmp_path, check=False)
+    assert proc.returncode != 0
+    assert re.search(r"\[rank \d\] error: the (loss is nan|loss is inf|weights are not finite) (at|after) step \d+",
+                     proc.stderr), proc.stderr[-2000:]
+    from common.checkpoint import latest_checkpoint
+
+    assert latest_checkpoint(str(tmp_path)) is not None, "the last good checkpoint must survive"
