@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from common.config import ConfigError
 from common.preflight import DataMissingError, last_line, missing_data_message, torchvision_dataset
 
 
@@ -114,7 +115,8 @@ class GlobalBatchSampler:
 
     def __init__(self, n_samples: int, global_batch_size: int, *, seed: int) -> None:
         if global_batch_size > n_samples:
-            raise ValueError(f"--batch-size {global_batch_size} is larger than the data set ({n_samples} samples)")
+            raise ConfigError(f"--batch-size: the global batch {global_batch_size} is larger than the training set "
+                              f"({n_samples} samples); use a smaller batch or more data")
         self.n_samples = n_samples
         self.global_batch_size = global_batch_size
         self.seed = seed

@@ -79,7 +79,7 @@ def test_global_batches_do_not_depend_on_world_size_or_a_fresh_sampler():
 def test_sampler_reports_samples_left_out_per_epoch():
     sampler = GlobalBatchSampler(1000, 96, seed=0)
     assert (sampler.steps_per_epoch, sampler.left_out_per_epoch) == (10, 40)
-    with pytest.raises(ValueError, match="larger than the data set"):
+    with pytest.raises(ConfigError, match="--batch-size: the global batch 96 is larger than the training set"):
         GlobalBatchSampler(50, 96, seed=0)
 
 

@@ -123,6 +123,13 @@ def test_runner_rejects_bad_input_with_one_line(flags, env, named, tmp_path):
     assert not (tmp_path / "out").exists(), "nothing may start before the input is valid"
 
 
+def test_a_data_set_smaller_than_one_global_batch_is_one_line(tmp_path):
+    proc = launch("train_ddp.py", 2, ["--train-size", "64", "--batch-size", "128"], tmp_path, check=False, timeout=120)
+    # torchrun reports the failed worker with its own traceback; no frame of this project's code may appear
+    assert proc.returncode != 0 and f'File "{ROOT}' not in proc.stderr
+    assert "error: --batch-size: the global batch 128 is larger than the training set (64 samples)" in proc.stderr
+
+
 def test_plain_python_rejects_bad_input_with_one_line(tmp_path):
     proc = run_command([sys.executable, "train_ddp.py", "--lr", "-1", "--out", str(tmp_path)], check=False, timeout=60)
     assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [
