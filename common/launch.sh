@@ -16,8 +16,9 @@ if [[ -z "${PYTHON:-}" ]]; then
 fi
 
 for var in NPROC NNODES MAX_RESTARTS; do
-  if ! [[ "${!var}" =~ ^[0-9]+$ ]] || { [[ $var != MAX_RESTARTS ]] && (( ${!var} < 1 )); }; then
-    echo "error: $var=${!var} must be a whole number${var:+ (at least 1 for NPROC and NNODES)}" >&2
+  least=1; [[ $var == MAX_RESTARTS ]] && least=0
+  if ! [[ "${!var}" =~ ^[0-9]+$ ]] || (( ${!var} < least )); then
+    echo "error: $var=${!var} must be a whole number of at least $least" >&2
     exit 2
   fi
 done
@@ -33,7 +34,14 @@ preflight() {
 # several machines meet at MASTER_ADDR:MASTER_PORT through the c10d rendezvous backend.
 TORCHRUN_ARGS=(--nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS")
 if (( NNODES > 1 )); then
-  : "${NODE_RANK:?set NODE_RANK (0..NNODES-1) on each machine}" "${MASTER_ADDR:?set MASTER_ADDR to the address of machine 0}"
+  if ! [[ "${NODE_RANK:-}" =~ ^[0-9]+$ ]] || (( NODE_RANK >= NNODES )); then
+    echo "error: NODE_RANK='${NODE_RANK:-}': with NNODES=$NNODES set NODE_RANK to 0..$((NNODES - 1)), a different one on each machine" >&2
+    exit 2
+  fi
+  if [[ -z "${MASTER_ADDR:-}" ]]; then
+    echo "error: MASTER_ADDR is not set: with NNODES=$NNODES set it to the address of machine 0 on every machine" >&2
+    exit 2
+  fi
   TORCHRUN_ARGS+=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --rdzv-backend c10d
                   --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}" --rdzv-id "${RDZV_ID:-babycnn}")
 else

@@ -108,6 +108,9 @@ BAD_INPUT = [
     ([], {"NPROC": "3"}, "--batch-size"),  # 3 processes do not divide 128
     (["--no-such-flag"], {}, "--no-such-flag"),
     ([], {"NPROC": "four"}, "NPROC"),
+    ([], {"MAX_RESTARTS": "-1"}, "MAX_RESTARTS"),
+    ([], {"NNODES": "2"}, "NODE_RANK"),
+    ([], {"NNODES": "2", "NODE_RANK": "0"}, "MASTER_ADDR"),
     (["--dataset", "mnist", "--data-dir", "/nonexistent/mnist"], {}, "--data-dir"),
 ]
 
