@@ -107,7 +107,7 @@ def train(cfg, env) -> None:
         if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
             run_eval(step)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-            save_checkpoint(cfg.out, step, model=model, optimizers=[optimizer], strategy="ddp")
+            save_checkpoint(cfg.out, step, model=model, optimizers=[optimizer], strategy="ddp", keep=cfg.keep)
 
     memory = gather_memory(measure_memory(model.parameters(), optimizer, env.device), env.rank)
     run_eval(steps)

@@ -98,6 +98,8 @@ class Config:
     """Evaluate on the whole test set every this many steps (0: only at the end)."""
     checkpoint_every: int = 0
     """Write a checkpoint every this many steps (0: never)."""
+    keep: int = 0
+    """Keep only the newest this many checkpoints, deleting older ones after each save (0: keep all)."""
     resume: bool = False
     """Continue from the latest complete checkpoint in --out."""
 
@@ -137,6 +139,7 @@ class Config:
         need(self.log_every >= 1, "log-every", f"must be at least 1, got {self.log_every}")
         need(self.eval_every >= 0, "eval-every", f"must be 0 (only at the end) or positive, got {self.eval_every}")
         need(self.checkpoint_every >= 0, "checkpoint-every", f"must be 0 (never) or positive, got {self.checkpoint_every}")
+        need(self.keep >= 0, "keep", f"must be 0 (keep all) or positive, got {self.keep}")
         need(self.threads >= 0, "threads", f"must be 0 (automatic) or positive, got {self.threads}")
         need(self.timeout_s >= 1, "timeout-s", f"must be at least 1 second, got {self.timeout_s}")
         need(self.n_microbatches >= 1, "n-microbatches", f"must be at least 1, got {self.n_microbatches}")

@@ -33,7 +33,7 @@ def runs(tmp_path_factory):
     launch("train_ddp.py", 2, [*PARITY, "--checkpoint-every", "12", "--resume"], out["resumed"])
     launch("train_ddp.py", 1, [*PARITY, *SGD, "--threads", "2"], out["sgd_ref"])
     launch("train_ddp.py", 1, [*PARITY, *SGD, "--threads", "1"], out["sgd_ref_1thread"])
-    launch("train_ddp.py", 4, [*PARITY, *SGD], out["sgd4"])
+    launch("train_ddp.py", 4, [*PARITY, *SGD, "--checkpoint-every", "6", "--keep", "2"], out["sgd4"])
     return out
 
 
@@ -88,6 +88,10 @@ def test_sgd_matches_one_process(runs):
     assert max_abs_diff(losses(runs["sgd_ref_1thread"]), ref) <= 1e-4, "the reference itself must be stable"
     assert max_abs_diff(losses(runs["sgd4"]), ref) <= 1e-4
     assert ref[-1] < ref[0]
+
+
+def test_keep_deletes_all_but_the_newest_checkpoints(runs):
+    assert sorted(p.name for p in (runs["sgd4"] / "checkpoints").iterdir()) == ["step_0000018", "step_0000024"]
 
 
 def test_ranks_share_weights_but_not_dropout_masks():
