@@ -26,6 +26,9 @@ PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 SHARDINGS = ("full", "grad-op", "hybrid", "none")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # exactly one stage per rank
+V_SCHEDULES = ("zbv", "dualpipev")          # exactly two stages per rank, placed in a V
+PIPELINE_MAX_STAGES = 8  # BabyCNN can be cut into 1..8 stages (common/model.py MAX_STAGES; a test keeps them equal)
 STRATEGIES = ("ddp", "fsdp", "pippy")
 
 
@@ -164,8 +167,43 @@ class Config:
             raise ConfigError(
                 f"--batch-size: the global batch {self.batch_size} (/ --grad-accum-steps {self.grad_accum_steps}) "
                 f"does not split evenly over {replicas} {what}; use a multiple of {replicas * self.grad_accum_steps}")
+        if self.strategy == "pippy":
+            self.check_pipeline(world_size // self.dp, chunk // replicas)
         if self.strategy == "fsdp" and self.sharding == "hybrid" and (world_size < 2 or world_size % 2):
             raise ConfigError(f"--sharding: hybrid needs an even world size (2 replicas x shards), got {world_size}")
+
+    def check_pipeline(self, pp_size: int, replica_batch: int) -> None:
+        """The pipeline's own checks, for `pp_size` ranks per pipeline and `replica_batch` samples per
+        schedule step. They mirror what torch.distributed.pipelining (or BabyCNN) would reject later --
+        often only after the other ranks have started to wait for a message that never comes."""
+        m, v = self.n_microbatches, self.stages_per_rank
+        if self.schedule in SINGLE_STAGE_SCHEDULES and v != 1:
+            raise ConfigError(f"--stages-per-rank: {self.schedule} runs exactly 1 stage per rank, got {v}; "
+                              f"use interleaved-1f1b, looped-bfs or interleaved-zb for more")
+        if self.schedule in V_SCHEDULES and v != 2:
+            raise ConfigError(f"--stages-per-rank: {self.schedule} places exactly 2 stages on each rank (in a V); "
+                              f"pass --stages-per-rank 2")
+        if self.schedule not in SINGLE_STAGE_SCHEDULES + V_SCHEDULES and v < 2:
+            raise ConfigError(f"--stages-per-rank: {self.schedule} is a schedule for 2 or more stages per rank, "
+                              f"got {v}; use gpipe or 1f1b for one")
+        n_stages = pp_size * v
+        if n_stages > PIPELINE_MAX_STAGES:
+            raise ConfigError(f"--stages-per-rank: {pp_size} pipeline ranks x {v} stages per rank = {n_stages} stages, "
+                              f"but BabyCNN can be cut into at most {PIPELINE_MAX_STAGES}; use fewer stages per rank, "
+                              f"a larger --dp or fewer processes")
+        if replica_batch % m:
+            raise ConfigError(f"--n-microbatches: {m} does not divide each replica's batch of {replica_batch} samples "
+                              f"(--batch-size / --dp / --grad-accum-steps); micro-batches must all have one size")
+        if self.schedule == "1f1b" and m < n_stages:
+            raise ConfigError(f"--n-microbatches: 1f1b needs at least as many micro-batches as stages ({n_stages}), "
+                              f"got {m}")
+        if self.schedule == "dualpipev" and m < n_stages:
+            raise ConfigError(f"--n-microbatches: dualpipev needs at least as many micro-batches as stages "
+                              f"({n_stages} = 2 x {pp_size} ranks), got {m}")
+        rounds = max(1, m // pp_size)
+        if self.schedule in ("interleaved-1f1b", "interleaved-zb") and m % rounds:
+            raise ConfigError(f"--n-microbatches: {self.schedule} runs the micro-batches in rounds of about one per "
+                              f"rank ({pp_size}); {m} is not a multiple of its {rounds} rounds; use a multiple of {pp_size}")
 
     def flags(self) -> dict[str, object]:
         """The settings that are flags of this run's script (for run.json)."""

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Train BabyCNN with pipeline parallelism on NPROC processes (default 4): GPUs with NCCL when every
+# process has one, otherwise CPU with gloo. Flags go to train_pippy.py (python train_pippy.py --help).
+#   bash run_pippy.sh --schedule gpipe --n-microbatches 8
+#   bash run_pippy.sh --schedule interleaved-1f1b --stages-per-rank 2
+#   bash run_pippy.sh --dp 2          # 2 pipeline replicas x 2 stages
+# Several machines: NNODES, NODE_RANK, MASTER_ADDR (see common/launch.sh and the README).
+set -euo pipefail
+source "$(dirname "$0")/common/launch.sh"
+preflight pippy "$@"
+exec "$PYTHON" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" train_pippy.py "$@"

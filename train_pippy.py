@@ -1,0 +1,212 @@
+"""Train BabyCNN with pipeline parallelism (torch.distributed.pipelining).
+
+    bash run_pippy.sh                                                  # 4 processes = 4 stages, 1F1B
+    bash run_pippy.sh --schedule interleaved-1f1b --stages-per-rank 2  # 8 stages, 2 per rank
+    bash run_pippy.sh --schedule zbv --stages-per-rank 2               # zero bubble, stages in a V
+    bash run_pippy.sh --dp 2                                           # 2 replicas x 2 stages (2-D mesh)
+    torchrun --standalone --nproc-per-node 4 train_pippy.py            # the same as the first, by hand
+
+The model is cut into consecutive stages (the explicit cut in common/model.py); each rank holds one or
+more of them. Every step the global batch is split over the --dp replicas, and each replica's share into
+--n-microbatches micro-batches. The first stage feeds the images in, each stage sends its activations to
+the next, the last stage computes the loss, and gradients flow back the same way; the schedule decides
+in which order each rank runs its forwards and backwards. While a rank waits for its neighbours it is
+idle -- the bubble -- which this script measures (run.json, bubble.jsonl). With --dp > 1 each stage's
+module is also sharded with FSDP2 across the replicas that hold it. Lines specific to pipelining are
+marked `# [PP]`.
+"""
+
+import time
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.pipelining import PipelineStage
+
+from common.checkpoint import latest_checkpoint, load_checkpoint, resume_requested, save_checkpoint
+from common.config import parse_config
+from common.data import GlobalBatchSampler, load_dataset, to_device_batch
+from common.distributed import RankLogger, run, seed_everything, setup_distributed, teardown_distributed
+from common.metrics import MetricsWriter, measure_memory, write_run_json
+from common.model import build_model, split_model
+from common.pipeline import (BusyTimer, bubble_report, build_schedule, describe_cut, evaluate_pipeline,
+                             forward_stage_by_stage, stage_indices, stage_output_shapes, stage_owner,
+                             write_bubble_log)
+from common.training import (autocast, build_optimizer, check_finite, describe_run, gather_memory, lr_at, set_lr,
+                             total_steps)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_config("pippy", argv)
+    env = setup_distributed(device=cfg.device, timeout_s=cfg.timeout_s, threads=cfg.threads)
+    try:
+        cfg.check(world_size=env.world_size)
+        train(cfg, env)
+    finally:
+        teardown_distributed()
+
+
+def train(cfg, env) -> None:
+    # [PP] A 2-D mesh: "dp" indexes the pipeline replicas, "pp" the ranks of one pipeline
+    # (rank = replica * pp_size + pp_rank). Passing it explicitly lets the same code run on GPUs.
+    pp_size = env.world_size // cfg.dp
+    n_stages = pp_size * cfg.stages_per_rank
+    mesh = init_device_mesh(env.device.type, (cfg.dp, pp_size), mesh_dim_names=("dp", "pp"))
+    replica, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+    my_stages = stage_indices(cfg.schedule, pp_rank, pp_size, cfg.stages_per_rank)
+    owner = lambda stage: stage_owner(cfg.schedule, stage, pp_size)  # the pipeline rank holding a stage
+    holds_first, holds_last = 0 in my_stages, n_stages - 1 in my_stages
+    # The loss exists only on the last stage: replica 0's last-stage rank logs and writes run.json. That
+    # is pipeline rank p-1, except with the V schedules, which put the last stage back on rank 0.
+    is_logger = holds_last and replica == 0
+    log = RankLogger(is_logger)
+    log(f"pipeline | {env.world_size} processes = {cfg.dp} replica(s) x {pp_size} pipeline ranks on "
+        f"{env.device.type} ({env.backend}) | {cfg.schedule}, {n_stages} stages | torch {torch.__version__}")
+
+    # ---- data: every rank holds the whole data set; a replica takes its slice of each global batch
+    data = load_dataset(cfg.dataset, data_dir=cfg.data_dir, seed=cfg.seed, train_size=cfg.train_size,
+                        test_size=cfg.test_size, download=env.world_size == 1)
+    sampler = GlobalBatchSampler(len(data.train), cfg.batch_size, seed=cfg.seed)
+    steps = total_steps(cfg, sampler.steps_per_epoch)
+    chunk = cfg.batch_size // cfg.dp // cfg.grad_accum_steps  # what one schedule.step() consumes
+    log(f"{cfg.dataset}: {len(data.train)} train / {len(data.test)} test images | global batch {cfg.batch_size} = "
+        f"{cfg.dp} replicas x {cfg.grad_accum_steps} accumulation steps x {cfg.n_microbatches} micro-batches x "
+        f"{chunk // cfg.n_microbatches} | {steps} steps")
+
+    # ---- model: build the whole model on every rank (the same initial weights as DDP for the same
+    # seed), cut it, and keep only this rank's stages.
+    model = build_model(seed=cfg.seed, in_channels=data.in_channels, image_size=data.image_size,
+                        num_classes=data.num_classes, dropout=cfg.dropout)
+    pieces = split_model(model, n_stages)  # [PP] the explicit cut: see STAGE_STARTS in common/model.py
+    for line in describe_cut(pieces, owner):
+        log(line)
+    shapes = stage_output_shapes(pieces, data.train.images[:1].float())
+    modules = {i: pieces[i].to(env.device) for i in my_stages}
+    seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
+    if cfg.dp > 1:
+        for module in modules.values():
+            if any(True for _ in module.parameters()):  # a parameter-free stage has nothing to shard
+                # [PP] FSDP2 across the replicas holding this stage. Not resharding after forward: the
+                # schedule runs several micro-batch forwards per step; the pipeline reshards after the
+                # step's last backward (and reduce-scatters the gradients then, once).
+                fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False)
+    # [PP] One PipelineStage per stage this rank holds; activation shapes are inferred at the first step.
+    stages = [PipelineStage(modules[i], i, n_stages, env.device, group=mesh.get_group("pp")) for i in my_stages]
+
+    # [PP] The loss of a micro-batch is its mean divided by the number of micro-batches (and accumulation
+    # steps): the gradients summed over the step are then those of the mean over this replica's batch,
+    # like DDP's, and the losses the schedule returns add up to that mean. (Hence scale_grads=False.)
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float(), labels) / (cfg.n_microbatches * cfg.grad_accum_steps)
+
+    schedule = build_schedule(cfg.schedule, stages, cfg.n_microbatches, loss_fn)  # [PP]
+
+    # This rank's layers under their own names (conv1.weight, ...), as in the whole model: the module
+    # that optimizer and checkpoints see, so a checkpoint of any strategy loads into any other.
+    local_model = nn.Sequential(OrderedDict((name, layer) for i in sorted(modules)
+                                            for name, layer in modules[i].named_children()))
+    params = list(local_model.parameters())
+    # A rank whose stages have no parameters (pooling, activations) has no optimizer at all.
+    optimizer = build_optimizer(params, cfg) if params else None
+    optimizers = [optimizer] if optimizer else []
+
+    start_step = 0
+    if resume_requested(cfg.resume) and (path := latest_checkpoint(cfg.out, log=log)):
+        start_step = load_checkpoint(path, model=local_model, optimizers=optimizers)
+        log(f"resumed from {path} (step {start_step})")
+    metrics = MetricsWriter(cfg.out, enabled=is_logger, total_steps=steps, log_every=cfg.log_every,
+                            start_step=start_step)
+    timer = BusyTimer(stages, env.device)  # [PP] time in stage compute; the rest of a step is the bubble
+    windows: list[tuple[float, float]] = []  # this rank's (busy_s, window_s) per step
+    order: list = []  # the actions of this rank's last step, in the order the schedule ran them
+
+    # [PP] Where two consecutive stages share a rank (always in a V; any pipeline of one rank), the
+    # schedule hands activations over locally, and that path fails forward-only on this torch
+    # (schedule.eval(): "can't steal_bwd_input if this stage doesn't have backward"). There evaluation
+    # walks the stages in order with plain send/recv instead.
+    local_handoff = any(owner(s) == owner(s + 1) for s in range(n_stages - 1))
+
+    def forward_only(images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        with autocast(cfg, env.device):
+            if local_handoff:
+                return forward_stage_by_stage(modules, images if holds_first else None, owner=owner,
+                                              pp_rank=pp_rank, n_stages=n_stages, shapes=shapes,
+                                              batch_size=chunk, group=mesh.get_group("pp"), device=env.device)
+            # [PP] schedule.eval() runs the same micro-batches forward only (the first stage takes the
+            # images, the last the labels: its loss function runs, and the schedule returns the logits).
+            return schedule.eval(*([images] if holds_first else []), target=labels if holds_last else None)
+
+    def run_eval(step: int) -> None:
+        for module in modules.values():
+            module.eval()  # schedule.eval() does not switch dropout off: that is ours to do
+        test_loss, test_accuracy = evaluate_pipeline(forward_only, data.test, data, replica=replica, dp=cfg.dp,
+                                                     batch_size=chunk, device=env.device)
+        for module in modules.values():
+            module.train()
+            if isinstance(module, FSDPModule):
+                module.reshard()  # forward-only left the parameters gathered; shard them again
+        metrics.eval(step, test_loss=test_loss, test_accuracy=test_accuracy)
+
+    # ---- training loop
+    for step in range(start_step + 1, steps + 1):
+        started = time.perf_counter()
+        lr = lr_at(step, cfg)
+        if optimizer:
+            set_lr(optimizer, lr)
+            optimizer.zero_grad(set_to_none=True)
+        indices = sampler.rank_batch(step, replica, cfg.dp)  # this replica's slice of the global batch
+        images, labels = to_device_batch(data.train, indices, data, env.device)
+        loss_sum = torch.zeros((), device=env.device)
+        for x, y in zip(images.split(chunk), labels.split(chunk)):
+            losses: list[torch.Tensor] = []
+            with autocast(cfg, env.device):
+                # [PP] One step() runs all micro-batches of x through every stage, forward and backward.
+                # Only the first stage gets inputs and only the last the targets; the others call it empty.
+                schedule.step(*([x] if holds_first else []), target=y if holds_last else None,
+                              losses=losses if holds_last else None, return_outputs=False)
+            loss_sum += sum(loss.detach() for loss in losses)  # empty unless this rank holds the last stage
+        # [PP] The loss reaches every rank: the last-stage ranks hold their replica's mean, the others 0.
+        # This all-reduce also ends the step's pipeline window on every rank at the same moment.
+        dist.all_reduce(loss_sum)
+        loss_value = loss_sum.item() / cfg.dp
+        busy_s, order = timer.take()
+        windows.append((busy_s, time.perf_counter() - started))
+        check_finite(loss_value, step)
+        if optimizer:
+            optimizer.step()
+        metrics.train(step, loss=loss_value, lr=lr, samples=cfg.batch_size, step_time_s=time.perf_counter() - started)
+        if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
+            run_eval(step)
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            save_checkpoint(cfg.out, step, model=local_model, optimizers=optimizers, strategy="pippy")
+
+    memory = gather_memory(measure_memory(params, optimizer, env.device), env.rank)
+    timing: list = [None] * env.world_size
+    dist.all_gather_object(timing, (windows, order, timer.mean_costs()))
+    run_eval(steps)
+    if is_logger:
+        windows, orders, costs = zip(*timing[:pp_size])  # replica 0's pipeline ranks (the others run alike)
+        report = bubble_report(list(windows), list(orders), list(costs), pp_size=pp_size, n_stages=n_stages,
+                               n_microbatches=cfg.n_microbatches, name=cfg.schedule)
+        write_bubble_log(cfg.out, list(windows), first_step=start_step + 1)
+        final = metrics.final()
+        write_run_json(cfg.out, **describe_run(cfg, env, pipeline={
+            "pp_size": pp_size, "n_stages": n_stages, "logging_rank": env.rank,
+            "stages_per_rank_of_replica_0": [stage_indices(cfg.schedule, r, pp_size, cfg.stages_per_rank)
+                                             for r in range(pp_size)],
+            "evaluation": "stage by stage (send/recv)" if local_handoff else "schedule.eval()",
+            "bubble": report}), final=final, memory={"per_rank": memory})
+        log(f"bubble: {100 * report['measured']:.0f}% of the pipeline's time idle | theory with balanced stages "
+            f"{100 * report['theory']:.0f}%, with these stages' measured times {100 * report['expected_from_stage_times']:.0f}%"
+            f" | busy share per rank {' '.join(f'{100 * b:.0f}%' for b in report['busy_fraction_per_rank'])}")
+        log(f"done: test accuracy {100 * final['test_accuracy']:.2f}% | {final['samples_per_s']:.0f} samples/s | "
+            f"{final['wall_time_s']:.1f} s | {cfg.out}/metrics.jsonl, {cfg.out}/run.json")
+    metrics.close()
+
+
+if __name__ == "__main__":
+    run(main)
