@@ -33,9 +33,8 @@ from common.data import GlobalBatchSampler, load_dataset, to_device_batch
 from common.distributed import RankLogger, run, seed_everything, setup_distributed, teardown_distributed
 from common.metrics import MetricsWriter, measure_memory, write_run_json
 from common.model import build_model, split_model
-from common.pipeline import (BusyTimer, bubble_report, build_schedule, describe_cut, evaluate_pipeline,
-                             forward_stage_by_stage, stage_indices, stage_output_shapes, stage_owner,
-                             write_bubble_log)
+from common.pipeline import (BubbleMeter, bubble_summary, build_schedule, describe_cut, evaluate_pipeline,
+                             forward_stage_by_stage, stage_indices, stage_output_shapes, stage_owner)
 from common.training import (autocast, build_optimizer, check_finite, describe_run, gather_memory, lr_at, set_lr,
                              total_steps)
 
@@ -82,14 +81,13 @@ def train(cfg, env) -> None:
     model = build_model(seed=cfg.seed, in_channels=data.in_channels, image_size=data.image_size,
                         num_classes=data.num_classes, dropout=cfg.dropout)
     pieces = split_model(model, n_stages)  # [PP] the explicit cut: see STAGE_STARTS in common/model.py
-    for line in describe_cut(pieces, owner):
-        log(line)
+    log("\n".join(describe_cut(pieces, owner)))
     shapes = stage_output_shapes(pieces, data.train.images[:1].float())
     modules = {i: pieces[i].to(env.device) for i in my_stages}
     seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
     if cfg.dp > 1:
         for module in modules.values():
-            if any(True for _ in module.parameters()):  # a parameter-free stage has nothing to shard
+            if list(module.parameters()):  # a parameter-free stage has nothing to shard
                 # [PP] FSDP2 across the replicas holding this stage. Not resharding after forward: the
                 # schedule runs several micro-batch forwards per step; the pipeline reshards after the
                 # step's last backward (and reduce-scatters the gradients then, once).
@@ -120,9 +118,7 @@ def train(cfg, env) -> None:
         log(f"resumed from {path} (step {start_step})")
     metrics = MetricsWriter(cfg.out, enabled=is_logger, total_steps=steps, log_every=cfg.log_every,
                             start_step=start_step)
-    timer = BusyTimer(stages, env.device)  # [PP] time in stage compute; the rest of a step is the bubble
-    windows: list[tuple[float, float]] = []  # this rank's (busy_s, window_s) per step
-    order: list = []  # the actions of this rank's last step, in the order the schedule ran them
+    meter = BubbleMeter(stages, env.device)  # [PP] time in stage compute; the rest of a step is the bubble
 
     # [PP] Where two consecutive stages share a rank (always in a V; any pipeline of one rank), the
     # schedule hands activations over locally, and that path fails forward-only on this torch
@@ -173,8 +169,7 @@ def train(cfg, env) -> None:
         # This all-reduce also ends the step's pipeline window on every rank at the same moment.
         dist.all_reduce(loss_sum)
         loss_value = loss_sum.item() / cfg.dp
-        busy_s, order = timer.take()
-        windows.append((busy_s, time.perf_counter() - started))
+        meter.end_step(started)
         check_finite(loss_value, step)
         if optimizer:
             optimizer.step()
@@ -185,24 +180,18 @@ def train(cfg, env) -> None:
             save_checkpoint(cfg.out, step, model=local_model, optimizers=optimizers, strategy="pippy")
 
     memory = gather_memory(measure_memory(params, optimizer, env.device), env.rank)
-    timing: list = [None] * env.world_size
-    dist.all_gather_object(timing, (windows, order, timer.mean_costs()))
+    bubble = meter.report(cfg.out, write=is_logger, pp_size=pp_size, n_stages=n_stages,
+                          n_microbatches=cfg.n_microbatches, schedule=cfg.schedule, first_step=start_step + 1)
     run_eval(steps)
     if is_logger:
-        windows, orders, costs = zip(*timing[:pp_size])  # replica 0's pipeline ranks (the others run alike)
-        report = bubble_report(list(windows), list(orders), list(costs), pp_size=pp_size, n_stages=n_stages,
-                               n_microbatches=cfg.n_microbatches, name=cfg.schedule)
-        write_bubble_log(cfg.out, list(windows), first_step=start_step + 1)
         final = metrics.final()
         write_run_json(cfg.out, **describe_run(cfg, env, pipeline={
-            "pp_size": pp_size, "n_stages": n_stages, "logging_rank": env.rank,
-            "stages_per_rank_of_replica_0": [stage_indices(cfg.schedule, r, pp_size, cfg.stages_per_rank)
+            "pp_size": pp_size, "n_stages": n_stages, "logging_rank": env.rank, "bubble": bubble,
+            "stages_of_each_pipeline_rank": [stage_indices(cfg.schedule, r, pp_size, cfg.stages_per_rank)
                                              for r in range(pp_size)],
-            "evaluation": "stage by stage (send/recv)" if local_handoff else "schedule.eval()",
-            "bubble": report}), final=final, memory={"per_rank": memory})
-        log(f"bubble: {100 * report['measured']:.0f}% of the pipeline's time idle | theory with balanced stages "
-            f"{100 * report['theory']:.0f}%, with these stages' measured times {100 * report['expected_from_stage_times']:.0f}%"
-            f" | busy share per rank {' '.join(f'{100 * b:.0f}%' for b in report['busy_fraction_per_rank'])}")
+            "evaluation": "stage by stage (send/recv)" if local_handoff else "schedule.eval()"}),
+                       final=final, memory={"per_rank": memory})
+        log(bubble_summary(bubble))
         log(f"done: test accuracy {100 * final['test_accuracy']:.2f}% | {final['samples_per_s']:.0f} samples/s | "
             f"{final['wall_time_s']:.1f} s | {cfg.out}/metrics.jsonl, {cfg.out}/run.json")
     metrics.close()

@@ -73,19 +73,22 @@ def describe_cut(pieces: Sequence[nn.Module], owner: Callable[[int], int]) -> li
 
 
 # ---------------------------------------------------------------------------------------------- the bubble
-Action = tuple[int, str, int]  # (stage, kind, micro-batch); kind: F forward, B full backward, I input-grad, W weight-grad
+# (stage, kind, micro-batch); kind: F forward, B full backward, I input-gradient part, W weight-gradient part
+Action = tuple[int, str, int]
 BALANCED_COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}  # backward ~ twice a forward; B = I + W
 
 
-class BusyTimer:
-    """Adds up the seconds this rank's stages spend computing -- forward, backward, and (zero-bubble
-    schedules) the separate weight-gradient pass -- and notes the order in which it ran them. Everything
-    else inside a step is waiting for a neighbour (the bubble) or communication. The stage's own methods
-    are wrapped, not replaced, so the schedule runs exactly as without the timer."""
+class BubbleMeter:
+    """Measures the bubble on one rank: the seconds its stages spend computing -- forward, backward and
+    (zero-bubble schedules) the separate weight-gradient pass -- within each step's window, and the order
+    in which the schedule ran those actions. The rest of a window is waiting for a neighbour (the bubble)
+    or communication. The stages' own methods are wrapped, not replaced: the schedule runs as without it."""
 
     def __init__(self, stages: Sequence, device: torch.device) -> None:
-        self.busy_s, self.steps_taken = 0.0, 0
-        self.order: list[Action] = []  # the current step's actions, in execution order
+        self.busy_s = 0.0
+        self.order: list[Action] = []       # the current step's actions, in execution order
+        self.last_order: list[Action] = []
+        self.windows: list[tuple[float, float]] = []  # per step: (busy_s, window_s)
         self.cost_s: dict[tuple[int, str], list[float]] = defaultdict(lambda: [0.0, 0])  # (stage, kind) -> [s, n]
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         for stage in stages:
@@ -112,17 +115,37 @@ class BusyTimer:
                     self.cost_s[stage.stage_index, kind][1] += 1
         return timed
 
-    def take(self) -> tuple[float, list[Action]]:
-        """This step's busy seconds and action order; starts the next step."""
-        busy, order = self.busy_s, self.order
-        self.busy_s, self.order = 0.0, []
-        if not self.steps_taken:
+    def end_step(self, started: float) -> None:
+        """Close the step whose window opened at `started` (time.perf_counter())."""
+        self.windows.append((self.busy_s, time.perf_counter() - started))
+        if len(self.windows) == 1:
             self.cost_s.clear()  # the first step also sets the pipeline up: its times are not typical
-        self.steps_taken += 1
-        return busy, order
+        self.busy_s, self.last_order, self.order = 0.0, self.order, []
 
-    def mean_costs(self) -> dict[str, float]:
-        return {f"{stage}{kind}": total / n for (stage, kind), (total, n) in sorted(self.cost_s.items())}
+    def report(self, out_dir: str, *, write: bool, pp_size: int, n_stages: int, n_microbatches: int,
+               schedule: str, first_step: int) -> dict | None:
+        """Every rank calls this (it gathers). The rank with `write` gets run.json's bubble section and
+        writes <out>/bubble.jsonl, both from the pipeline ranks of replica 0 (the others run alike)."""
+        timing: list = [None] * dist.get_world_size()
+        costs = {f"{stage}{kind}": total / n for (stage, kind), (total, n) in sorted(self.cost_s.items())}
+        dist.all_gather_object(timing, (self.windows, self.last_order, costs))
+        if not write:
+            return None
+        windows, orders, costs = (list(x) for x in zip(*timing[:pp_size]))
+        with open(os.path.join(out_dir, "bubble.jsonl"), "w") as f:  # per step, index = pipeline rank
+            for i, step in enumerate(zip(*windows)):
+                f.write(json.dumps({"step": first_step + i, "busy_s": [round(b, 6) for b, _ in step],
+                                    "idle_s": [round(w - b, 6) for b, w in step]}) + "\n")
+        return bubble_report(windows, orders, costs, pp_size=pp_size, n_stages=n_stages,
+                             n_microbatches=n_microbatches, name=schedule)
+
+
+def bubble_summary(report: dict) -> str:
+    """The console line."""
+    return (f"bubble: {100 * report['measured']:.0f}% of the pipeline's time idle | theory with balanced stages "
+            f"{100 * report['theory']:.0f}%, with these stages' measured times "
+            f"{100 * report['expected_from_stage_times']:.0f}% | busy share per rank "
+            f"{' '.join(f'{100 * b:.0f}%' for b in report['busy_fraction_per_rank'])}")
 
 
 def simulate_bubble(orders: Sequence[Sequence[Action]], cost: Callable[[int, str], float]) -> float:
@@ -200,14 +223,6 @@ def bubble_report(windows: list[list[tuple[float, float]]], orders: list[list[Ac
                       "each); expected_from_stage_times = the same with each action's measured mean time, "
                       "i.e. the bubble that stage imbalance alone explains.",
     }
-
-
-def write_bubble_log(out_dir: str, per_rank: list[list[tuple[float, float]]], *, first_step: int) -> None:
-    """<out>/bubble.jsonl: per step, each pipeline rank's busy and idle seconds (index = pipeline rank)."""
-    with open(os.path.join(out_dir, "bubble.jsonl"), "w") as f:
-        for i, step in enumerate(zip(*per_rank)):
-            f.write(json.dumps({"step": first_step + i, "busy_s": [round(b, 6) for b, _ in step],
-                                "idle_s": [round(w - b, 6) for b, w in step]}) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------- evaluation

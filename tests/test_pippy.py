@@ -1,0 +1,220 @@
+"""Pipeline parallelism on real processes (gloo): every schedule against one process, evaluation over the
+whole test set, pipeline x data parallel, checkpoints across strategies, the bubble report, the runner, and
+bad combinations rejected in one line before anything trains."""
+
+import json
+import shutil
+import sys
+
+import pytest
+
+from common.config import PIPELINE_MAX_STAGES, SCHEDULES, parse_config
+from common.model import MAX_STAGES
+from common.pipeline import BALANCED_COST, simulate_bubble, stage_indices, stage_owner
+from tests.helpers import (PARITY, env_for_tests, launch, losses, max_abs_diff, read_metrics, read_run,
+                           run_command)
+
+# PARITY, cut to what the ~20 trainings of this file can afford: 20 steps of a global batch of 48
+PP_PARITY = [*PARITY, "--max-steps", "20", "--batch-size", "48"]
+STEPS = 20
+# Every schedule the README lists as working, with the stages per rank it runs.
+STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "looped-bfs": 2, "interleaved-zb": 2, "zbv": 2,
+                   "dualpipev": 2}
+# On 4 ranks: each schedule at 4 and 8 micro-batches (dualpipev needs as many as its 8 stages; its 4 runs
+# below on 2 ranks per pipeline, with --dp 2).
+MATRIX = {f"{name}-m{m}": ["--schedule", name, "--stages-per-rank", str(v), "--n-microbatches", str(m)]
+          for name, v in STAGES_PER_RANK.items() for m in (4, 8) if not (name == "dualpipev" and m < 8)}
+DP2 = {
+    "dp2-1f1b-m4": ["--dp", "2"],
+    "dp2-dualpipev-m4": ["--dp", "2", "--schedule", "dualpipev", "--stages-per-rank", "2"],
+    "dp2-zbv-accum2": ["--dp", "2", "--schedule", "zbv", "--stages-per-rank", "2", "--grad-accum-steps", "2"],
+}
+# 8 stages on 4 ranks: pipeline rank 1 holds only relu1 and pool, no parameters and no optimizer
+PART1 = ["--schedule", "interleaved-1f1b", "--stages-per-rank", "2", "--max-steps", "12", "--checkpoint-every", "12"]
+
+
+def run_many(runs: dict[str, list[str]], root, nproc: int = 4, timeout: float = 600) -> None:
+    """All `runs` in one torchrun launch of tests/workers/pippy_runs.py (the real train_pippy.train)."""
+    spec = root / "runs.json"
+    spec.write_text(json.dumps({str(root / name): [*PP_PARITY, *flags] for name, flags in runs.items()}))
+    run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                 "tests/workers/pippy_runs.py", str(spec)], timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    """The 1-process DDP run every pipeline run is compared with, and its checkpoint after 12 steps."""
+    root = tmp_path_factory.mktemp("ref")
+    launch("train_ddp.py", 1, PP_PARITY, root / "ref")
+    launch("train_ddp.py", 1, [*PP_PARITY, "--max-steps", "12", "--checkpoint-every", "12"], root / "ddp12")
+    return root
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    root = tmp_path_factory.mktemp("matrix")
+    run_many(MATRIX, root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def more(tmp_path_factory, ref):
+    """--dp 2 runs, the first half of a run to resume, and a pipeline resuming DDP's checkpoint."""
+    root = tmp_path_factory.mktemp("more")
+    shutil.copytree(ref / "ddp12", root / "from-ddp")
+    run_many({**DP2, "part1": PART1, "from-ddp": ["--dp", "2", "--resume"]}, root)
+    return root
+
+
+def check_matches_reference(out, ref_out) -> None:
+    reference = losses(ref_out)
+    assert len(reference) == STEPS and reference[-1] < 0.7 * reference[0], "the reference run should learn"
+    assert max_abs_diff(losses(out), reference) <= 1e-4
+    # evaluation ran through the pipeline over all 256 test images: the same predictions as the reference
+    (evaluation,), (reference_eval,) = read_metrics(out)[1], read_metrics(ref_out)[1]
+    assert round(evaluation["test_accuracy"] * 256) == round(reference_eval["test_accuracy"] * 256)
+    assert evaluation["test_accuracy"] * 256 == pytest.approx(round(evaluation["test_accuracy"] * 256))
+    assert evaluation["test_loss"] == pytest.approx(reference_eval["test_loss"], abs=1e-4)
+
+
+@pytest.mark.parametrize("name", list(MATRIX))
+def test_every_schedule_matches_one_process(name, matrix, ref):
+    check_matches_reference(matrix / name, ref / "ref")
+
+
+@pytest.mark.parametrize("name", list(DP2))
+def test_pipeline_replicas_match_one_process(name, more, ref):
+    check_matches_reference(more / name, ref / "ref")
+    run = read_run(more / name)
+    assert run["config"]["dp"] == 2 and run["pipeline"]["pp_size"] == 2 and run["world_size"] == 4
+
+
+def test_the_rank_with_the_last_stage_logs_and_evaluation_method_is_recorded(matrix, more):
+    expected = {"1f1b-m4": (3, "schedule.eval()"), "interleaved-zb-m4": (3, "schedule.eval()"),
+                "zbv-m4": (0, "stage by stage (send/recv)"), "dualpipev-m8": (0, "stage by stage (send/recv)")}
+    for name, (rank, evaluation) in expected.items():
+        pipeline = read_run(matrix / name)["pipeline"]
+        assert (pipeline["logging_rank"], pipeline["evaluation"]) == (rank, evaluation), name
+    assert read_run(more / "dp2-1f1b-m4")["pipeline"]["logging_rank"] == 1  # replica 0 = ranks 0 and 1
+
+
+def test_bubble_is_measured_per_rank_and_set_against_theory(matrix):
+    for m in (4, 8):
+        out = matrix / f"gpipe-m{m}"
+        bubble = read_run(out)["pipeline"]["bubble"]
+        assert bubble["formula"] == "(p-1)/(m+p-1)" and bubble["formula_value"] == pytest.approx(3 / (m + 3))
+        assert bubble["theory"] == pytest.approx(3 / (m + 3))  # the executed order, simulated, agrees
+        assert 0 < bubble["measured"] < 1 and len(bubble["busy_fraction_per_rank"]) == 4
+        # conv2 holds ~88% of the work: stage imbalance alone idles the pipeline more than the fill and drain
+        assert bubble["expected_from_stage_times"] > bubble["theory"]
+        assert bubble["measured"] > bubble["theory"]
+        lines = [json.loads(line) for line in (out / "bubble.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in lines] == list(range(1, STEPS + 1))
+        assert all(len(r["busy_s"]) == len(r["idle_s"]) == 4 and min(r["busy_s"]) > 0 for r in lines)
+    # more micro-batches, smaller bubble (in theory)
+    theory = {name: read_run(matrix / name)["pipeline"]["bubble"]["theory"] for name in MATRIX}
+    for name in STAGES_PER_RANK:
+        if name != "dualpipev":
+            assert theory[f"{name}-m8"] < theory[f"{name}-m4"], name
+
+
+def test_resume_in_a_fresh_launch_through_the_runner(matrix, more, tmp_path):
+    """run_pippy.sh end to end: it resumes the 12-step checkpoint (one rank of which holds no parameters)
+    and continues exactly as the uninterrupted run."""
+    out = tmp_path / "resumed"
+    shutil.copytree(more / "part1", out)
+    proc = run_command(["bash", "run_pippy.sh", *PP_PARITY, "--schedule", "interleaved-1f1b", "--stages-per-rank", "2",
+                        "--resume", "--out", str(out)], env={**env_for_tests(), "NPROC": "4"})
+    assert "resumed from" in proc.stdout and "step 12" in proc.stdout
+    assert max_abs_diff(losses(out), losses(matrix / "interleaved-1f1b-m4")) <= 1e-6
+    train, evals = read_metrics(out)
+    assert all(set(r) == {"kind", "step", "loss", "lr", "samples_per_s", "step_time_s"} for r in train.values())
+    run = read_run(out)
+    assert (run["strategy"], run["world_size"], run["backend"]) == ("pippy", 4, "gloo")
+    assert run["final"]["test_accuracy"] == evals[-1]["test_accuracy"]
+    assert [m["rank"] for m in run["memory"]["per_rank"]] == [0, 1, 2, 3]
+    assert run["memory"]["per_rank"][1]["param_bytes"] == 0  # relu1 and pool
+
+
+def test_checkpoints_move_between_ddp_and_the_pipeline(more, ref, tmp_path):
+    # DDP's 12-step checkpoint resumed by 2 pipelines x 2 stages (FSDP2-sharded stages)
+    assert max_abs_diff(losses(more / "from-ddp"), losses(ref / "ref")) <= 1e-4
+    # the pipeline's checkpoint (8 stages over 4 ranks) resumed by one DDP process
+    out = tmp_path / "ddp-from-pipeline"
+    shutil.copytree(more / "part1", out)
+    launch("train_ddp.py", 1, [*PP_PARITY, "--resume"], out)
+    assert max_abs_diff(losses(out), losses(ref / "ref")) <= 1e-4
+
+
+# --------------------------------------------------------------------------------------------- bad input
+BAD = [  # (world size, flags, the flag the one line names, a word of the explanation)
+    (4, ["--n-microbatches", "5"], "--n-microbatches", "does not divide"),
+    (4, ["--dp", "2", "--batch-size", "100", "--n-microbatches", "4"], "--n-microbatches", "does not divide"),
+    (4, ["--schedule", "1f1b", "--n-microbatches", "2"], "--n-microbatches", "at least as many"),
+    (4, ["--schedule", "dualpipev", "--stages-per-rank", "2"], "--n-microbatches", "at least as many"),
+    (4, ["--schedule", "interleaved-1f1b", "--stages-per-rank", "2", "--batch-size", "144", "--n-microbatches", "9"],
+     "--n-microbatches", "rounds"),
+    (4, ["--schedule", "interleaved-1f1b", "--stages-per-rank", "3"], "--stages-per-rank", "at most 8"),
+    (16, ["--n-microbatches", "16"], "--stages-per-rank", "at most 8"),
+    (4, ["--schedule", "zbv"], "--stages-per-rank", "exactly 2"),
+    (4, ["--schedule", "gpipe", "--stages-per-rank", "2"], "--stages-per-rank", "exactly 1"),
+    (4, ["--schedule", "looped-bfs"], "--stages-per-rank", "2 or more"),
+    (4, ["--dp", "3"], "--dp", "does not divide the world size"),
+    (4, ["--dp", "4", "--batch-size", "130"], "--batch-size", "does not split"),
+    (4, ["--schedule", "pipedream"], "--schedule", "unknown"),
+]
+
+
+@pytest.mark.parametrize("world,flags,named,why", BAD, ids=[f"{b[2]}-{i}" for i, b in enumerate(BAD)])
+def test_preflight_rejects_bad_combinations_in_one_line(world, flags, named, why):
+    proc = run_command([sys.executable, "-m", "common.preflight", "pippy", "--world-size", str(world), *flags],
+                       check=False, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"error: {named}:") and why in lines[0], lines[0]
+
+
+def test_runner_and_script_reject_before_any_worker_trains(tmp_path):
+    proc = run_command(["bash", "run_pippy.sh", "--schedule", "1f1b", "--n-microbatches", "2", "--out",
+                        str(tmp_path / "a")], env={**env_for_tests(), "NPROC": "4"}, check=False, timeout=60)
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [
+        "error: --n-microbatches: 1f1b needs at least as many micro-batches as stages (4), got 2"]
+    assert not (tmp_path / "a").exists(), "nothing may start before the input is valid"
+    # the script checks the same on its own (one process: a pipeline of one rank)
+    proc = run_command([sys.executable, "train_pippy.py", "--schedule", "zbv", "--out", str(tmp_path / "b")],
+                       check=False, timeout=60)
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: --stages-per-rank:")
+    assert "Traceback" not in proc.stderr and not (tmp_path / "b").exists()
+
+
+# --------------------------------------------------------------------------------------------- no processes
+def test_every_combination_the_tests_run_passes_the_checks():
+    for flags in [*MATRIX.values(), *DP2.values(), PART1]:
+        parse_config("pippy", [*PP_PARITY, *flags], world_size=4)
+    assert PIPELINE_MAX_STAGES == MAX_STAGES and set(STAGES_PER_RANK) == set(SCHEDULES)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_stage_placement_covers_every_stage_once(schedule):
+    for pp_size in (1, 2, 4):
+        v = STAGES_PER_RANK[schedule]
+        held = [stage for rank in range(pp_size) for stage in stage_indices(schedule, rank, pp_size, v)]
+        assert sorted(held) == list(range(pp_size * v))
+        assert all(stage_owner(schedule, s, pp_size) == r
+                   for r in range(pp_size) for s in stage_indices(schedule, r, pp_size, v))
+    if schedule in ("zbv", "dualpipev"):
+        assert stage_owner(schedule, 7, 4) == 0  # V placement: the last stage, with the loss, is on rank 0
+
+
+@pytest.mark.parametrize("p,m", [(2, 1), (4, 4), (4, 8), (3, 5)])
+def test_simulated_gpipe_and_1f1b_give_the_textbook_bubble(p, m):
+    gpipe = [[(r, "F", i) for i in range(m)] + [(r, "B", i) for i in range(m)] for r in range(p)]
+    one_f_one_b = []
+    for r in range(p):
+        warmup = min(p - 1 - r, m)
+        order = [(r, "F", i) for i in range(warmup)]
+        for i in range(m - warmup):
+            order += [(r, "F", warmup + i), (r, "B", i)]
+        one_f_one_b.append(order + [(r, "B", i) for i in range(m - warmup, m)])
+    for orders in (gpipe, one_f_one_b):
+        assert simulate_bubble(orders, lambda stage, kind: BALANCED_COST[kind]) == pytest.approx((p - 1) / (m + p - 1))
