@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Train BabyCNN with FSDP on NPROC processes (default 4): GPUs with NCCL when every process has one,
+# otherwise CPU with gloo. Flags go to train_fsdp.py (python train_fsdp.py --help lists them).
+#   bash run_fsdp.sh --sharding grad-op --precision bf16
+#   NPROC=2 bash run_fsdp.sh
+# Several machines: NNODES, NODE_RANK, MASTER_ADDR (see common/launch.sh and the README).
+set -euo pipefail
+source "$(dirname "$0")/common/launch.sh"
+preflight fsdp "$@"
+exec "$PYTHON" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" train_fsdp.py "$@"
