@@ -1,0 +1,190 @@
+"""FSDP on real processes (gloo): every sharding mode against one process, resume and resharding of DCP
+checkpoints, memory against DDP and against the theory, bf16, the exported model.pt, the runner."""
+
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+
+from tests.helpers import (LAUNCH_TIMEOUT_S, PARITY, SMALL, env_for_tests, launch, losses, max_abs_diff, read_metrics,
+                           read_run, run_command)
+
+MODES = ("full", "grad-op", "hybrid", "none")
+SHARDS_ON_4 = {"full": 4, "grad-op": 4, "hybrid": 2, "none": 1}  # ranks one parameter is split over
+# SGD (momentum 0.9) where the 1-process run is itself stable across thread counts (see tests/test_ddp.py)
+SGD = ["--optimizer", "sgd", "--lr", "0.005"]
+# The SGD runs also carry one option each that must not change the numbers: activation checkpointing
+# (recompute), CPU offload (the optimizer steps on CPU copies), accumulation (HSDP skips the reduce-scatter
+# and the all-reduce on the inner micro-step).
+SGD_EXTRA = {"full": ["--activation-checkpointing"], "grad-op": ["--cpu-offload"],
+             "hybrid": ["--grad-accum-steps", "2"], "none": []}
+# 30 AdamW steps with a checkpoint every 15: parity over 30 steps, and the step-15 checkpoint to resume from
+LONG = [*PARITY, "--max-steps", "30", "--checkpoint-every", "15"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every run the tests compare, launched once for the module: five launches, and one torchrun of
+    eleven trainings on the same 4 ranks (tests/workers/fsdp_runs.py), which saves ten start-ups of 4 processes."""
+    root = tmp_path_factory.mktemp("fsdp")
+    out = {}
+
+    def go(name, script, nproc, args):
+        out[name] = root / name
+        launch(script, nproc, args, out[name])
+
+    # the 1-process reference is plain training: train_ddp.py without torchrun, no communication at all
+    go("ref", "train_ddp.py", 1, LONG)
+    go("sgd_ref", "train_ddp.py", 1, [*PARITY, *SGD, "--threads", "2"])
+    go("sgd_ref_1thread", "train_ddp.py", 1, [*PARITY, *SGD, "--threads", "1"])
+
+    on_4_ranks = {"ddp4": ("ddp", [*PARITY, "--max-steps", "2"]),  # only for its memory record
+                  "bf16": ("fsdp", [*SMALL, "--batch-size", "96", "--precision", "bf16", "--sharding", "grad-op"]),
+                  "stopped": ("fsdp", [*LONG, "--max-steps", "15"])}  # resumed below, by a new launch
+    for mode in MODES:
+        on_4_ranks[f"adamw_{mode}"] = ("fsdp", [*LONG, "--sharding", mode])
+        on_4_ranks[f"sgd_{mode}"] = ("fsdp", [*PARITY, *SGD, "--sharding", mode, *SGD_EXTRA[mode]])
+    out.update({name: root / name for name in on_4_ranks})
+    (root / "runs.json").write_text(json.dumps({str(root / name): run for name, run in on_4_ranks.items()}))
+    run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                 "tests/workers/fsdp_runs.py", str(root / "runs.json")], timeout=2 * LAUNCH_TIMEOUT_S)
+
+    # the run stopped after 15 steps, resumed to 30 by the runner (which this also tests end to end)
+    out["resumed"] = root / "resumed"
+    shutil.copytree(out["stopped"], out["resumed"])
+    run_command(["bash", "run_fsdp.sh", *LONG, "--resume", "--out", str(out["resumed"])],
+                env={**env_for_tests(), "NPROC": "4"})
+    # the 4-rank step-15 checkpoint resumed on 2 ranks and on 1 (a folder holding only that checkpoint)
+    for name, nproc in (("on2", 2), ("on1", 1)):
+        (root / name / "checkpoints").mkdir(parents=True)
+        step15 = "checkpoints/step_0000015"
+        shutil.copytree(out["adamw_full"] / step15, root / name / step15)
+        go(name, "train_fsdp.py", nproc, [*LONG, "--resume"])
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_sharding_mode_matches_one_process_adamw(runs, mode):
+    ref = losses(runs["ref"])
+    assert len(ref) == 30 and ref[-1] < ref[0] * 0.7, "the reference run should learn"
+    assert max_abs_diff(losses(runs[f"adamw_{mode}"]), ref) <= 1e-4
+    run = read_run(runs[f"adamw_{mode}"])
+    assert (run["strategy"], run["world_size"], run["config"]["sharding"]) == ("fsdp", 4, mode)
+    assert run["mesh"]["shard"] == SHARDS_ON_4[mode] and run["mesh"].get("replicate", 1) == 4 // SHARDS_ON_4[mode]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_sharding_mode_matches_one_process_sgd(runs, mode):
+    ref = losses(runs["sgd_ref"])
+    # the tolerance means something only where the reference itself is stable at that tolerance
+    assert max_abs_diff(losses(runs["sgd_ref_1thread"]), ref) <= 1e-4, "the reference itself must be stable"
+    assert max_abs_diff(losses(runs[f"sgd_{mode}"]), ref) <= 1e-4
+    assert ref[-1] < ref[0]
+
+
+def test_resume_on_the_same_world_size_continues_bit_identically(runs):
+    full, resumed = losses(runs["adamw_full"]), losses(runs["resumed"])
+    # stopped after step 15 in one launch, resumed in another: bit for bit (the 1e-6 asked for, and more)
+    assert len(resumed) == 30 and resumed == full
+    assert [c.name for c in sorted((runs["resumed"] / "checkpoints").iterdir())] == ["step_0000015", "step_0000030"]
+
+
+@pytest.mark.parametrize("world_size", (2, 1))
+def test_a_four_rank_checkpoint_resumes_on_fewer_ranks(runs, world_size):
+    # DCP reshards at load time: model *and* optimizer state (restarting AdamW's moments at step 15 moves
+    # the later losses by ~5e-2, so 1e-4 would catch a lost optimizer state)
+    out = runs[f"on{world_size}"]
+    train, _ = read_metrics(out)
+    assert sorted(train) == list(range(16, 31)), "a resumed run writes the steps after its checkpoint"
+    full = losses(runs["adamw_full"])
+    assert max(abs(train[s]["loss"] - full[s - 1]) for s in train) <= 1e-4
+    assert read_run(out)["world_size"] == world_size
+
+
+def test_full_sharding_holds_at_most_0_3_of_ddps_memory(runs):
+    def totals(name):
+        per_rank = read_run(runs[name])["memory"]["per_rank"]
+        return [m["param_bytes"] + m["grad_bytes"] + m["optim_bytes"] for m in per_rank]
+
+    ddp, full = totals("ddp4"), totals("adamw_full")
+    assert len(ddp) == len(full) == 4
+    assert max(full) <= 0.3 * min(ddp), (full, ddp)
+    assert totals("adamw_none") == ddp, "none (NO_SHARD) keeps a full replica on every rank, as DDP does"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_measured_memory_agrees_with_the_theory(runs, mode):
+    memory = read_run(runs[f"adamw_{mode}"])["memory"]
+    theory = memory["theory"]
+    assert theory["shards"] == SHARDS_ON_4[mode] and theory["parameters"] == 1_273_610
+    assert theory["param_bytes"] + theory["grad_bytes"] + theory["optim_bytes"] == 16 * 1_273_610 / theory["shards"]
+    for rank in memory["per_rank"]:
+        for kind in ("param_bytes", "grad_bytes", "optim_bytes"):
+            # the theory divides evenly; fc2's 10 rows split over 4 ranks as 3, 3, 3, 1 (and AdamW's step
+            # counters add 4 bytes per tensor), so a rank may differ by well under 1%
+            assert rank[kind] == pytest.approx(theory[kind], rel=0.01), (rank, theory)
+    # the shards of one replica add up to every parameter exactly once
+    replica = memory["per_rank"][:theory["shards"]]
+    assert sum(r["param_bytes"] for r in replica) == 4 * theory["parameters"]
+
+
+def test_bf16_runs_and_learns(runs):
+    train, evals = read_metrics(runs["bf16"])
+    loss = [train[s]["loss"] for s in sorted(train)]
+    assert len(loss) == 32 and loss[-1] < 0.5 * loss[0]
+    assert evals[-1]["test_accuracy"] >= 0.8
+    run = read_run(runs["bf16"])
+    # mixed precision computes in bf16, but the sharded parameters the optimizer updates stay fp32
+    memory = run["memory"]
+    assert memory["per_rank"][0]["param_bytes"] == pytest.approx(memory["theory"]["param_bytes"], rel=0.01)
+
+
+def test_model_pt_is_the_trained_model_for_a_plain_babycnn(runs):
+    from common.data import load_dataset, to_device_batch
+    from common.model import BabyCNN
+
+    out = runs["adamw_full"]
+    model = BabyCNN()
+    model.load_state_dict(torch.load(out / "model.pt", weights_only=True))  # strict: every key, right shapes
+    data = load_dataset("digits", seed=0, train_size=1536, test_size=256)
+    images, labels = to_device_batch(data.test, torch.arange(len(data.test)), data, torch.device("cpu"))
+    with torch.no_grad():
+        hits = (model.eval()(images).argmax(dim=1) == labels).sum().item()
+    # the trained weights, not the initial ones: the same predictions as the run's own evaluation
+    assert abs(hits - 256 * read_run(out)["final"]["test_accuracy"]) <= 1
+    # activation checkpointing wraps the model, but the wrapper's name stays out of the keys
+    BabyCNN().load_state_dict(torch.load(runs["sgd_full"] / "model.pt", weights_only=True))
+
+
+def test_runner_resumes_and_writes_the_metrics_contract(runs):
+    out = runs["resumed"]
+    train, evals = read_metrics(out)  # fails on a step logged twice
+    assert sorted(train) == list(range(1, 31))
+    assert [e["step"] for e in evals] == [15, 30]  # the stopped run's final evaluation, then the resumed one's
+    for record in train.values():
+        assert set(record) == {"kind", "step", "loss", "lr", "samples_per_s", "step_time_s"}
+    run = read_run(out)
+    assert (run["strategy"], run["world_size"], run["backend"]) == ("fsdp", 4, "gloo")
+    assert run["config"]["sharding"] == "full" and "schedule" not in run["config"]
+    assert [m["rank"] for m in run["memory"]["per_rank"]] == [0, 1, 2, 3]
+    assert run["final"]["test_accuracy"] == evals[-1]["test_accuracy"] and (out / "model.pt").exists()
+
+
+@pytest.mark.parametrize("flags,env,named", [
+    (["--sharding", "zero3"], {}, "--sharding"),
+    (["--sharding", "hybrid", "--batch-size", "96"], {"NPROC": "3"}, "--sharding"),  # hybrid needs an even world
+])
+def test_runner_rejects_bad_input_with_one_line(flags, env, named, tmp_path):
+    proc = run_command(["bash", "run_fsdp.sh", *flags, "--out", str(tmp_path / "out")],
+                       env={**env_for_tests(), **env}, check=False, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1 and lines[0].startswith("error:") and named in lines[0], proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_help_lists_the_fsdp_flags():
+    proc = run_command([sys.executable, "train_fsdp.py", "--help"], timeout=60)
+    assert "--sharding" in proc.stdout and "--activation-checkpointing" in proc.stdout
+    assert "--schedule" not in proc.stdout

@@ -1,0 +1,32 @@
+"""Run under torchrun: several trainings, one after another, in one set of processes.
+
+    torchrun --standalone --nproc-per-node 4 tests/workers/fsdp_runs.py RUNS.json
+
+RUNS.json maps an output folder to [strategy, flags] ("fsdp" or "ddp"). Each run is the real
+`train_<strategy>.train` on the real process group (each builds its own device mesh and shards its own
+model); only the start-up of four Python processes with torch, which costs more than a short run, is
+shared. That is what lets the tests compare every sharding mode with two optimizers within their budget.
+"""
+
+import importlib
+import json
+import sys
+
+from common.config import parse_config
+from common.distributed import setup_distributed, teardown_distributed
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        runs = json.load(f)
+    env = setup_distributed(timeout_s=120)
+    try:
+        for out, (strategy, flags) in runs.items():
+            cfg = parse_config(strategy, [*flags, "--out", out], world_size=env.world_size)
+            importlib.import_module(f"train_{strategy}").train(cfg, env)
+    finally:
+        teardown_distributed()
+
+
+if __name__ == "__main__":
+    main()
