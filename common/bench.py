@@ -30,6 +30,7 @@ Markdown says when the machine was not quiet.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -48,7 +49,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 SCHEDULE_FLAGS = {  # the pipeline schedules and the flags each needs (stages per rank)
     "gpipe": [], "1f1b": [], "interleaved-1f1b": ["--stages-per-rank", "2"], "looped-bfs": ["--stages-per-rank", "2"],
-    "interleaved-zb": ["--stages-per-rank", "2"], "zbv": [], "dualpipev": [],
+    "interleaved-zb": ["--stages-per-rank", "2"], "zbv": ["--stages-per-rank", "2"],
+    "dualpipev": ["--stages-per-rank", "2"],
 }
 SHARDINGS = ("full", "grad-op", "hybrid", "none")
 
@@ -117,6 +119,7 @@ def _world_of_one() -> None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
+@functools.lru_cache(maxsize=4)
 def _suite_parts(train_size: int, batch_size: int):
     from common.data import GlobalBatchSampler, load_dataset
 
@@ -193,6 +196,8 @@ def _variant_step(variant: str, *, batch_size: int, train_size: int) -> Callable
     if "channels_last" in flags:
         model = model.to(memory_format=torch.channels_last)
         images = images.contiguous(memory_format=torch.channels_last)
+    if "channels_last_inputs" in flags:
+        _convolve_channels_last(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused="fused_adamw" in flags or None)
     forward = torch.compile(model) if "compile" in flags else model
     bf16 = "bf16" in flags
@@ -431,6 +436,92 @@ def baseline_worker(argv: Sequence[str]) -> None:
         dist.destroy_process_group()
 
 
+# ============================================================================ prototypes of fast paths
+def _patch_channels_last() -> None:
+    """Model and image batches in channels_last (NHWC) memory format: oneDNN convolves NHWC directly,
+    without converting activations to its blocked layout and back on every call."""
+    import torch
+
+    import common.data
+    import common.model
+    import common.pipeline
+    import common.training
+
+    build_model, to_device_batch = common.model.build_model, common.data.to_device_batch
+
+    def build_model_cl(**kwargs):
+        return build_model(**kwargs).to(memory_format=torch.channels_last)
+
+    def to_device_batch_cl(*args, **kwargs):
+        images, labels = to_device_batch(*args, **kwargs)
+        return images.contiguous(memory_format=torch.channels_last), labels
+
+    common.model.build_model = build_model_cl
+    for module in (common.data, common.training, common.pipeline):
+        module.to_device_batch = to_device_batch_cl
+
+
+def _patch_fused_adamw() -> None:
+    """AdamW's fused kernel (`fused=True`, CPU and CUDA): one pass over each parameter instead of a dozen
+    elementwise ops, each a pass over memory."""
+    import torch
+
+    import common.training
+
+    build_optimizer = common.training.build_optimizer
+
+    def build_optimizer_fused(params, cfg):
+        if cfg.optimizer != "adamw":
+            return build_optimizer(params, cfg)
+        return torch.optim.AdamW(list(params), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+
+    common.training.build_optimizer = build_optimizer_fused
+
+
+def _channels_last_input(module, args):
+    return (args[0].contiguous(memory_format=__import__("torch").channels_last), *args[1:])
+
+
+def _convolve_channels_last(model) -> None:
+    """Feed every Conv2d a channels_last input; its weights stay as they are (FSDP2 rejects parameters that
+    are not contiguous), and oneDNN then computes the convolution in NHWC, without reordering activations."""
+    from torch import nn
+
+    for module in model.modules():
+        if isinstance(module, nn.Conv2d):
+            module.register_forward_pre_hook(_channels_last_input)
+
+
+def _patch_channels_last_inputs() -> None:
+    import common.model
+
+    build_model = common.model.build_model
+
+    def build_model_cl(**kwargs):
+        model = build_model(**kwargs)
+        _convolve_channels_last(model)
+        return model
+
+    common.model.build_model = build_model_cl
+
+
+PATCHES = {"channels_last": _patch_channels_last, "channels_last_inputs": _patch_channels_last_inputs,
+           "fused_adamw": _patch_fused_adamw}
+
+
+def patched_run(argv: Sequence[str]) -> None:
+    """`patched-run PATCH[,PATCH] SCRIPT [flags]`: run a training script as __main__ with fast paths patched
+    into common/ first -- a prototype of a change to files this benchmark does not own, measured on the
+    real script (under torchrun: `python -m torch.distributed.run ... -m common.bench patched-run ...`)."""
+    import runpy
+
+    patches, script, *flags = argv
+    for name in patches.split(","):
+        PATCHES[name]()
+    sys.argv = [script, *flags]
+    runpy.run_path(str(ROOT / script), run_name="__main__")
+
+
 # ============================================================================ launching the real scripts
 @dataclass
 class RunSpec:
@@ -441,6 +532,7 @@ class RunSpec:
     precision: str = "fp32"
     launcher: str = "torchrun"  # python (1 process), torchrun, run_ddp.sh
     full: bool = False        # the default-length run: its test accuracy counts
+    patches: str = ""         # prototype fast paths (PATCHES), comma-separated
 
     @property
     def script(self) -> str:
@@ -451,7 +543,12 @@ class RunSpec:
                 "--out", str(out)]
         if self.launcher == "run_ddp.sh":
             return ["bash", "run_ddp.sh", *args]
-        target = ["-m", "common.bench", "baseline-worker"] if self.strategy == "baseline" else [self.script]
+        if self.strategy == "baseline":
+            target = ["-m", "common.bench", "baseline-worker"]
+        elif self.patches:
+            target = ["-m", "common.bench", "patched-run", self.patches, self.script]
+        else:
+            target = [self.script]
         if self.nproc == 1 and self.launcher != "torchrun":
             return [sys.executable, *target, *args]
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(self.nproc),
@@ -572,8 +669,11 @@ def run_one(spec: RunSpec, *, work: Path, warmup: int, timed: int, batch_size: i
     records = read_train_records(out)
     row.update(watched)
     if watched["returncode"] != 0:
-        tail = (out / "console.log").read_text().strip().splitlines()[-6:]
-        return {**row, "ok": False, "error": f"exit {watched['returncode']}: " + " | ".join(tail)}
+        lines = (out / "console.log").read_text().strip().splitlines()
+        # the script's own one-line error if there is one, else the last lines of the console
+        said = [line for line in lines if re.match(r"(\[rank \d+\] )?error:|\w*Error:", line.strip())]
+        why = said[0].strip() if said else " | ".join(lines[-4:])
+        return {**row, "ok": False, "error": f"exit {watched['returncode']}: {why}"}
     row["ok"] = True
     row.update(timing_stats(records, warmup=warmup, batch_size=batch_size))
     if records and watched["first_record_s"] is not None:
@@ -588,7 +688,8 @@ def run_one(spec: RunSpec, *, work: Path, warmup: int, timed: int, batch_size: i
     return row
 
 
-def default_plan(procs: Sequence[int], *, full_runs: bool, threads_check: bool, bf16: bool) -> list[RunSpec]:
+def default_plan(procs: Sequence[int], *, full_runs: bool, threads_check: bool, bf16: bool,
+                 prototypes: bool = True) -> list[RunSpec]:
     """The runs of the default benchmark. Scaling (every process count in `procs`) for the baseline, DDP,
     FSDP (full) and the pipeline (1F1B); every other mode and schedule at the largest process count."""
     n = max(procs)
@@ -596,10 +697,8 @@ def default_plan(procs: Sequence[int], *, full_runs: bool, threads_check: bool, 
     for p in procs:
         launcher = "python" if p == 1 else "torchrun"
         plan.append(RunSpec("baseline", "baseline", p, launcher=launcher))
-        if full_runs and p == n:  # the default run, as a user starts it: bash run_ddp.sh
-            plan.append(RunSpec("ddp", "ddp", p, launcher="run_ddp.sh", full=True))
-        else:
-            plan.append(RunSpec("ddp", "ddp", p, launcher=launcher))
+        # at the largest count, as a user starts it (bash run_ddp.sh): its launch time is an acceptance line
+        plan.append(RunSpec("ddp", "ddp", p, launcher="run_ddp.sh" if p == n and p > 1 else launcher))
         plan.append(RunSpec("fsdp full", "fsdp", p, ["--sharding", "full"], launcher=launcher))
         if p > 1:  # a pipeline needs at least two ranks to be one
             plan.append(RunSpec("pipeline 1f1b", "pippy", p, ["--schedule", "1f1b"]))
@@ -611,12 +710,15 @@ def default_plan(procs: Sequence[int], *, full_runs: bool, threads_check: bool, 
             plan.append(RunSpec(f"pipeline {schedule}", "pippy", n, ["--schedule", schedule, *flags]))
     if bf16:
         plan.append(RunSpec("ddp", "ddp", 1, precision="bf16", launcher="python"))
-        if full_runs:
-            plan.append(RunSpec("ddp", "ddp", n, precision="bf16", launcher="run_ddp.sh", full=True))
-        else:
-            plan.append(RunSpec("ddp", "ddp", n, precision="bf16"))
+        # the default run in bf16, all of it: its test accuracy is an acceptance line
+        plan.append(RunSpec("ddp", "ddp", n, precision="bf16", launcher="run_ddp.sh", full=full_runs))
         plan.append(RunSpec("fsdp full", "fsdp", n, ["--sharding", "full"], precision="bf16"))
         plan.append(RunSpec("pipeline 1f1b", "pippy", n, ["--schedule", "1f1b"], precision="bf16"))
+    if prototypes:  # the proposed changes, on the real scripts
+        plan.append(RunSpec("ddp + fused AdamW", "ddp", n, patches="fused_adamw"))
+        for p in (1, n):
+            plan.append(RunSpec("ddp + channels_last + fused AdamW", "ddp", p, precision="bf16",
+                                launcher="python" if p == 1 else "torchrun", patches="channels_last,fused_adamw"))
     if threads_check and n > CORES:
         plan.append(RunSpec(f"ddp, {CORES} threads/rank", "ddp", n, ["--threads", str(CORES)]))
     return plan
@@ -664,7 +766,9 @@ def markdown(report: dict[str, Any]) -> str:
                          "| | | | | | | | |")
             continue
         st = r.get("step_time_s", {})
-        name = r["name"] + (" (`run_ddp.sh`, full run)" if r["launcher"] == "run_ddp.sh" else "")
+        name = r["name"] + (" (`run_ddp.sh`" + (", full run)" if r["full"] else ")")
+                               if r["launcher"] == "run_ddp.sh" else "") + (
+            " (prototype)" if r.get("patches") else "")
         rss = [v for v in r.get("peak_rss_bytes", []) if v]
         tensors = r.get("tensor_bytes_per_rank") or []
         lines.append(
@@ -735,7 +839,8 @@ def markdown(report: dict[str, Any]) -> str:
 def scaling_table(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     table: dict[str, dict[str, float]] = {}
     for r in rows:
-        if r.get("ok") and r["precision"] == "fp32" and r.get("samples_per_s") and "threads" not in r["name"]:
+        if (r.get("ok") and r["precision"] == "fp32" and r.get("samples_per_s") and "threads" not in r["name"]
+                and not r.get("patches")):
             table.setdefault(r["name"], {})[str(r["nproc"])] = r["samples_per_s"]
     return {k: v for k, v in table.items() if len(v) > 1}
 
@@ -771,6 +876,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if argv[:1] == ["baseline-worker"]:
         baseline_worker(argv[1:])
         return
+    if argv[:1] == ["patched-run"]:
+        patched_run(argv[1:])
+        return
     parser = argparse.ArgumentParser(prog="python -m common.bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out", default="runs/bench", help="where bench.json, bench.md and the run folders go")
@@ -778,12 +886,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--only", default="", help="comma-separated strategies to launch (baseline,ddp,fsdp,pippy)")
     parser.add_argument("--batch-size", type=int, default=128, help="global batch of every run")
     parser.add_argument("--warmup-steps", type=int, default=5)
-    parser.add_argument("--timed-steps", type=int, default=25)
-    parser.add_argument("--test-size", type=int, default=500, help="test set of the short runs (evaluated once, after timing)")
-    parser.add_argument("--no-full-runs", action="store_true", help="skip the default-length bash run_ddp.sh runs")
+    parser.add_argument("--timed-steps", type=int, default=20)
+    parser.add_argument("--test-size", type=int, default=256, help="test set of the short runs (evaluated once, after timing)")
+    parser.add_argument("--no-full-runs", action="store_true", help="run bf16 DDP short too, not the whole default run")
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 launches")
     parser.add_argument("--compile", action="store_true", help="add torch.compile variants to the fast paths (slow to compile)")
     parser.add_argument("--micro-only", action="store_true", help="only the in-process measurements, no launches")
+    parser.add_argument("--no-micro", action="store_true", help="only the launches, no in-process measurements")
     parser.add_argument("--quick", action="store_true", help="tiny settings: a smoke test of the benchmark itself")
     parser.add_argument("--wait-quiet", type=float, default=0, help="wait up to this many seconds for load < 1 first")
     parser.add_argument("--timeout-s", type=float, default=300, help="per launch")
@@ -819,10 +928,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     say("the suite's loop, replayed: where a step goes")
     loop_settings = [(args.batch_size, CORES)] + ([] if quick else [(args.batch_size // 4, 1)])
-    report["loop_breakdown"] = [loop_breakdown(batch_size=b, threads=t, steps=3 if quick else 20,
+    report["loop_breakdown"] = [] if args.no_micro else [loop_breakdown(batch_size=b, threads=t, steps=3 if quick else 20,
                                                warmup=2 if quick else 5, train_size=train_size)
                                 for b, t in loop_settings]
-    if not quick:
+    if not quick and not args.no_micro:
         say("fast paths on the single-process step")
         variants = ["fp32", "fp32+channels_last", "fp32+fused_adamw", "bf16", "bf16+channels_last",
                     "bf16+channels_last+fused_adamw"]
