@@ -80,7 +80,9 @@ def train(cfg, env) -> None:
     # seed), cut it, and keep only this rank's stages.
     model = build_model(seed=cfg.seed, in_channels=data.in_channels, image_size=data.image_size,
                         num_classes=data.num_classes, dropout=cfg.dropout)
-    pieces = split_model(model, n_stages)  # [PP] the explicit cut: see STAGE_STARTS in common/model.py
+    # [PP] The explicit cut (STAGE_STARTS in common/model.py). `flatten` always opens a stage: its output is
+    # a view, and the zero-bubble schedules fail on a stage whose output is a view.
+    pieces = split_model(model, n_stages)
     log("\n".join(describe_cut(pieces, owner)))
     shapes = stage_output_shapes(pieces, data.train.images[:1].float())
     modules = {i: pieces[i].to(env.device) for i in my_stages}

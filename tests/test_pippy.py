@@ -25,7 +25,7 @@ STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "looped-bfs": 2
 MATRIX = {f"{name}-m{m}": ["--schedule", name, "--stages-per-rank", str(v), "--n-microbatches", str(m)]
           for name, v in STAGES_PER_RANK.items() for m in (4, 8) if not (name == "dualpipev" and m < 8)}
 DP2 = {
-    "dp2-1f1b-m4": ["--dp", "2"],
+    "dp2-1f1b-m4": ["--dp", "2", "--eval-every", "10"],  # evaluating mid-run, then training on
     "dp2-dualpipev-m4": ["--dp", "2", "--schedule", "dualpipev", "--stages-per-rank", "2"],
     "dp2-zbv-accum2": ["--dp", "2", "--schedule", "zbv", "--stages-per-rank", "2", "--grad-accum-steps", "2"],
 }
@@ -71,7 +71,7 @@ def check_matches_reference(out, ref_out) -> None:
     assert len(reference) == STEPS and reference[-1] < 0.7 * reference[0], "the reference run should learn"
     assert max_abs_diff(losses(out), reference) <= 1e-4
     # evaluation ran through the pipeline over all 256 test images: the same predictions as the reference
-    (evaluation,), (reference_eval,) = read_metrics(out)[1], read_metrics(ref_out)[1]
+    evaluation, (reference_eval,) = read_metrics(out)[1][-1], read_metrics(ref_out)[1]
     assert round(evaluation["test_accuracy"] * 256) == round(reference_eval["test_accuracy"] * 256)
     assert evaluation["test_accuracy"] * 256 == pytest.approx(round(evaluation["test_accuracy"] * 256))
     assert evaluation["test_loss"] == pytest.approx(reference_eval["test_loss"], abs=1e-4)
@@ -87,6 +87,8 @@ def test_pipeline_replicas_match_one_process(name, more, ref):
     check_matches_reference(more / name, ref / "ref")
     run = read_run(more / name)
     assert run["config"]["dp"] == 2 and run["pipeline"]["pp_size"] == 2 and run["world_size"] == 4
+    evaluated_at = [e["step"] for e in read_metrics(more / name)[1]]
+    assert evaluated_at == ([10, STEPS] if "--eval-every" in DP2[name] else [STEPS])
 
 
 def test_the_rank_with_the_last_stage_logs_and_evaluation_method_is_recorded(matrix, more):
