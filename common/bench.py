@@ -35,6 +35,7 @@ import json
 import math
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -50,14 +51,16 @@ CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (o
 SCHEDULE_FLAGS = {  # the pipeline schedules and the flags each needs (stages per rank)
     "gpipe": [], "1f1b": [], "interleaved-1f1b": ["--stages-per-rank", "2"], "looped-bfs": ["--stages-per-rank", "2"],
     "interleaved-zb": ["--stages-per-rank", "2"], "zbv": ["--stages-per-rank", "2"],
-    "dualpipev": ["--stages-per-rank", "2"],
+    "dualpipev": ["--stages-per-rank", "2", "--n-microbatches", "8"],  # it needs micro-batches >= stages
 }
 SHARDINGS = ("full", "grad-op", "hybrid", "none")
 
 
 # ============================================================================ the machine's ceiling
-def matmul_peak_gflops(dtype_name: str, threads: int, *, n: int = 2048, repeats: int = 8) -> float:
-    """Best-of-`repeats` GFLOP/s of an n x n x n matmul in `dtype_name` on `threads` CPU threads."""
+def matmul_peak_gflops(dtype_name: str, threads: int, *, n: int = 2048, repeats: int = 8,
+                       clock: Callable[[], float] = time.perf_counter) -> float:
+    """Best-of-`repeats` GFLOP/s of an n x n x n matmul in `dtype_name` on `threads` CPU threads. With one
+    thread, clock=time.process_time measures the core's own work, whatever else shares the machine."""
     import torch
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
@@ -69,9 +72,9 @@ def matmul_peak_gflops(dtype_name: str, threads: int, *, n: int = 2048, repeats:
             a @ b
         best = math.inf
         for _ in range(repeats):
-            started = time.perf_counter()
+            started = clock()
             a @ b
-            best = min(best, time.perf_counter() - started)
+            best = min(best, clock() - started)
         return 2 * n ** 3 / best / 1e9
     finally:
         torch.set_num_threads(previous)
@@ -225,21 +228,30 @@ def fast_path_steps(variants: Sequence[str], *, batch_size: int, threads: int, r
             steps[variant]()
         setup_s[variant] = time.perf_counter() - started
     means: dict[str, list[float]] = {v: [] for v in variants}
+    cpu_means: dict[str, list[float]] = {v: [] for v in variants}
+    faults = {v: 0 for v in variants}
     for _ in range(rounds):
         for variant in variants:
-            started = time.perf_counter()
+            faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            started, cpu_started = time.perf_counter(), time.process_time()
             for _ in range(steps_per_round):
                 steps[variant]()
             means[variant].append((time.perf_counter() - started) / steps_per_round)
+            cpu_means[variant].append((time.process_time() - cpu_started) / steps_per_round)
+            faults[variant] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
     result = {}
     for variant in variants:
-        step_s = statistics.median(means[variant])
-        result[variant] = {"step_s": step_s, "samples_per_s": batch_size / step_s,
-                           "round_means_s": means[variant], "warmup_s": setup_s[variant]}
+        # with one thread, CPU time is the step's own work: robust to other processes sharing the cores
+        step_s = statistics.median(cpu_means[variant] if threads == 1 else means[variant])
+        result[variant] = {"step_s": step_s, "samples_per_s": batch_size / step_s, "round_means_s": means[variant],
+                           "round_cpu_means_s": cpu_means[variant], "warmup_s": setup_s[variant],
+                           # pages the kernel had to map in (and zero) per step: memory malloc gave back
+                           "page_faults_per_step": faults[variant] / (rounds * steps_per_round)}
     base = result[variants[0]]["samples_per_s"]
     for variant in variants:
         result[variant]["vs_first"] = result[variant]["samples_per_s"] / base
-    return {"batch_size": batch_size, "threads": threads, "variants": result}
+    return {"batch_size": batch_size, "threads": threads, "clock": "process CPU time" if threads == 1 else "wall",
+            "variants": result}
 
 
 OP_GROUPS = [  # torch.profiler op name -> what it is, first match wins
@@ -330,6 +342,29 @@ def import_check(*, out: Path) -> dict[str, Any]:
     return {"ok": proc.returncode == 0, "torchvision_imported": any(n.split(".")[0] == "torchvision" for n in cumulative),
             "PIL_imported": "PIL" in top, "modules": len(cumulative),
             "top_level_import_s": {n: round(us / 1e6, 3) for n, us in sorted(top.items(), key=lambda kv: -kv[1])[:6]}}
+
+
+MICRO = {"loop_breakdown": loop_breakdown, "fast_path_steps": fast_path_steps, "profile_step": profile_step}
+
+
+def micro_worker(argv: Sequence[str]) -> None:
+    """`micro-worker FUNCTION JSON_KWARGS [keep_freed_memory]`: one in-process measurement in a fresh process
+    (the allocator's state is part of what is measured: the benchmark's own big matmuls would change it)."""
+    name, kwargs, *options = argv
+    if "keep_freed_memory" in options:
+        keep_freed_memory()
+    result = MICRO[name](**json.loads(kwargs))
+    print("MICRO-RESULT " + json.dumps(result))
+
+
+def in_fresh_process(name: str, *, keep_freed: bool = False, **kwargs: Any) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "common.bench", "micro-worker", name, json.dumps(kwargs)]
+    proc = subprocess.run(cmd + (["keep_freed_memory"] if keep_freed else []), cwd=ROOT, env=_launch_env(),
+                          capture_output=True, text=True, timeout=900)
+    found = [line for line in proc.stdout.splitlines() if line.startswith("MICRO-RESULT ")]
+    if proc.returncode != 0 or not found:
+        raise RuntimeError(f"{name} failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    return json.loads(found[-1].split(" ", 1)[1])
 
 
 # ============================================================================ the conventional baseline
@@ -505,8 +540,26 @@ def _patch_channels_last_inputs() -> None:
     common.model.build_model = build_model_cl
 
 
+def keep_freed_memory() -> bool:
+    """Make glibc keep freed memory for reuse instead of handing it back to the kernel (Linux/glibc only).
+
+    By default glibc serves big allocations (a step's activations: 5 to 20 MB each) with mmap and unmaps
+    them when freed, or trims the heap top; every step then page-faults its activations in again as
+    fresh, zeroed pages -- 17 to 56 MiB per step here, 5 to 20 ms of a 50 to 100 ms step, and more or less
+    from one process to the next. A fixed mmap threshold of 32 MiB (glibc's maximum) and a 1 GiB trim
+    threshold keep those pages mapped and reused. Returns False where mallopt is not available."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
+    return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+
+
 PATCHES = {"channels_last": _patch_channels_last, "channels_last_inputs": _patch_channels_last_inputs,
-           "fused_adamw": _patch_fused_adamw}
+           "fused_adamw": _patch_fused_adamw, "keep_freed_memory": keep_freed_memory}
 
 
 def patched_run(argv: Sequence[str]) -> None:
@@ -689,7 +742,7 @@ def run_one(spec: RunSpec, *, work: Path, warmup: int, timed: int, batch_size: i
 
 
 def default_plan(procs: Sequence[int], *, full_runs: bool, threads_check: bool, bf16: bool,
-                 prototypes: bool = True) -> list[RunSpec]:
+                 prototypes: bool = False) -> list[RunSpec]:
     """The runs of the default benchmark. Scaling (every process count in `procs`) for the baseline, DDP,
     FSDP (full) and the pipeline (1F1B); every other mode and schedule at the largest process count."""
     n = max(procs)
@@ -712,13 +765,22 @@ def default_plan(procs: Sequence[int], *, full_runs: bool, threads_check: bool, 
         plan.append(RunSpec("ddp", "ddp", 1, precision="bf16", launcher="python"))
         # the default run in bf16, all of it: its test accuracy is an acceptance line
         plan.append(RunSpec("ddp", "ddp", n, precision="bf16", launcher="run_ddp.sh", full=full_runs))
-        plan.append(RunSpec("fsdp full", "fsdp", n, ["--sharding", "full"], precision="bf16"))
-        plan.append(RunSpec("pipeline 1f1b", "pippy", n, ["--schedule", "1f1b"], precision="bf16"))
+        if prototypes:
+            plan.append(RunSpec("fsdp full", "fsdp", n, ["--sharding", "full"], precision="bf16"))
+            plan.append(RunSpec("pipeline 1f1b", "pippy", n, ["--schedule", "1f1b"], precision="bf16"))
     if prototypes:  # the proposed changes, on the real scripts
-        plan.append(RunSpec("ddp + fused AdamW", "ddp", n, patches="fused_adamw"))
+        proposed = "keep_freed_memory,fused_adamw"
         for p in (1, n):
-            plan.append(RunSpec("ddp + channels_last + fused AdamW", "ddp", p, precision="bf16",
-                                launcher="python" if p == 1 else "torchrun", patches="channels_last,fused_adamw"))
+            launcher = "python" if p == 1 else "torchrun"
+            plan.append(RunSpec("ddp + freed memory kept + fused AdamW", "ddp", p, launcher=launcher, patches=proposed))
+            plan.append(RunSpec("ddp + freed memory kept + fused AdamW + channels_last", "ddp", p, precision="bf16",
+                                launcher=launcher, patches=proposed + ",channels_last"))
+        plan.append(RunSpec("fsdp full + freed memory kept + fused AdamW", "fsdp", n, ["--sharding", "full"],
+                            patches=proposed))
+        plan.append(RunSpec("pipeline 1f1b + freed memory kept + fused AdamW", "pippy", n, ["--schedule", "1f1b"],
+                            patches=proposed))
+        plan.append(RunSpec("pipeline 1f1b + freed memory kept + fused AdamW + channels_last", "pippy", n,
+                            ["--schedule", "1f1b"], precision="bf16", patches=proposed + ",channels_last"))
     if threads_check and n > CORES:
         plan.append(RunSpec(f"ddp, {CORES} threads/rank", "ddp", n, ["--threads", str(CORES)]))
     return plan
@@ -755,7 +817,8 @@ def markdown(report: dict[str, Any]) -> str:
              + ".", "",
              f"Global batch {s['batch_size']}; {s['warmup_steps']} warm-up steps, then {s['timed_steps']} timed "
              f"(default-length runs: all steps after the warm-up). Matmul peak ({s['peak_n']}^3, best of "
-             f"{s['peak_repeats']}): " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in report["peak_gflops"].items())
+             f"{s['peak_repeats']}): " + ", ".join(f"{k} {v:.0f}" for k, v in report["peak_by_threads_gflops"].items())
+             + " GFLOP/s; a run's % of peak is of the all-cores figure in its dtype"
              + f". Model: {report['model']['train_flops_per_sample'] / 1e6:.1f} MFLOP per sample (forward + backward).",
              "", "| run | precision | procs | samples/s | × baseline | step ms: median (p10–p90) | launch → 1st step s "
              "| tensors/rank MiB | peak RSS/rank MiB | GFLOP/s | % of peak | test acc |",
@@ -804,16 +867,18 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append("")
             lines.append("The baseline's DataLoader wait, share of its step time: " + ", ".join(
                 f"{r['nproc']} proc {100 * r['data_share']:.0f}%" for r in base) + ".")
-    fast = report.get("fast_paths")
-    if fast:
-        lines += ["", f"Fast paths on the single-process step (batch {fast['batch_size']}, {fast['threads']} threads, "
-                  "interleaved rounds):", "", "| variant | samples/s | × fp32 | GFLOP/s | % of its dtype's peak |",
-                  "|---|---|---|---|---|"]
+    for fast in report.get("fast_paths", []):
+        one = fast["threads"] == 1
+        lines += ["", f"Fast paths on one process's step (batch {fast['batch_size']}, {fast['threads']} thread"
+                  f"{'' if one else 's'}, {fast['clock']}, interleaved rounds):", "",
+                  "| variant | samples/s | × fp32 | GFLOP/s | % of its dtype's peak | page faults/step |",
+                  "|---|---|---|---|---|---|"]
         for name, v in fast["variants"].items():
             dtype = "bf16" if "bf16" in name else "fp32"
+            peak = report["peak_by_threads_gflops"][f"{dtype} 1 thread, CPU time"] if one else report["peak_gflops"][dtype]
             gflops = v["samples_per_s"] * report["model"]["train_flops_per_sample"] / 1e9
             lines.append(f"| {name} | {v['samples_per_s']:.0f} | {v['vs_first']:.2f} | {gflops:.1f} | "
-                         f"{100 * gflops / report['peak_gflops'][dtype]:.1f}% |")
+                         f"{100 * gflops / peak:.1f}% | {v.get('page_faults_per_step', 0):.0f} |")
     conv = report.get("conv_diagnosis")
     if conv:
         lines += ["", "conv2 (128×32×26×26, 3×3, forward + backward) in oneDNN (ONEDNN_VERBOSE; ms are one "
@@ -876,6 +941,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if argv[:1] == ["baseline-worker"]:
         baseline_worker(argv[1:])
         return
+    if argv[:1] == ["micro-worker"]:
+        micro_worker(argv[1:])
+        return
     if argv[:1] == ["patched-run"]:
         patched_run(argv[1:])
         return
@@ -891,6 +959,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--no-full-runs", action="store_true", help="run bf16 DDP short too, not the whole default run")
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 launches")
     parser.add_argument("--compile", action="store_true", help="add torch.compile variants to the fast paths (slow to compile)")
+    parser.add_argument("--all", action="store_true", help="also the prototypes of the proposed fast paths on the real "
+                        "scripts, FSDP and pipeline in bf16, and --compile (~10 min)")
     parser.add_argument("--micro-only", action="store_true", help="only the in-process measurements, no launches")
     parser.add_argument("--no-micro", action="store_true", help="only the launches, no in-process measurements")
     parser.add_argument("--quick", action="store_true", help="tiny settings: a smoke test of the benchmark itself")
@@ -900,6 +970,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     import torch
 
+    args.compile = args.compile or args.all
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     quiet_wait = wait_until_quiet(args.wait_quiet) if args.wait_quiet else None
@@ -921,6 +992,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     say("matmul peak")
     peak_all = {f"{d} {t} thread{'s' if t > 1 else ''}": matmul_peak_gflops(d, t, n=peak_n, repeats=peak_repeats)
                 for d in ("fp32", "bf16") for t in sorted({1, CORES})}
+    peak_all.update({f"{d} 1 thread, CPU time": matmul_peak_gflops(d, 1, n=peak_n, repeats=peak_repeats,
+                                                                  clock=time.process_time) for d in ("fp32", "bf16")})
     report["peak_by_threads_gflops"] = peak_all
     report["peak_gflops"] = {d: peak_all[f"{d} {CORES} thread{'s' if CORES > 1 else ''}"] for d in ("fp32", "bf16")}
     report["model"] = model_flops()
@@ -928,21 +1001,32 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     say("the suite's loop, replayed: where a step goes")
     loop_settings = [(args.batch_size, CORES)] + ([] if quick else [(args.batch_size // 4, 1)])
-    report["loop_breakdown"] = [] if args.no_micro else [loop_breakdown(batch_size=b, threads=t, steps=3 if quick else 20,
-                                               warmup=2 if quick else 5, train_size=train_size)
-                                for b, t in loop_settings]
+    report["loop_breakdown"] = [] if args.no_micro else [
+        in_fresh_process("loop_breakdown", batch_size=b, threads=t, steps=3 if quick else 20, warmup=2 if quick else 5,
+                         train_size=train_size) for b, t in loop_settings]
     if not quick and not args.no_micro:
         say("fast paths on the single-process step")
         variants = ["fp32", "fp32+channels_last", "fp32+fused_adamw", "bf16", "bf16+channels_last",
                     "bf16+channels_last+fused_adamw"]
+        freed = ["fp32", "fp32+fused_adamw", "bf16", "bf16+channels_last+fused_adamw"]  # with keep_freed_memory
         if args.compile:
             variants += ["fp32+compile", "bf16+channels_last+compile"]
-        report["fast_paths"] = fast_path_steps(variants, batch_size=args.batch_size, threads=CORES, rounds=5,
-                                               steps_per_round=4, train_size=train_size)
+        report["fast_paths"] = []
+        for batch, threads, rounds, per_round in ((args.batch_size, CORES, 5, 3), (args.batch_size // 4, 1, 5, 4)):
+            # the second: one rank's share of a 4-process step, on one thread, timed by CPU time
+            settings = dict(batch_size=batch, threads=threads, rounds=rounds, steps_per_round=per_round,
+                            train_size=train_size)
+            as_is = in_fresh_process("fast_path_steps", variants=variants if threads > 1 else variants[:6], **settings)
+            kept = in_fresh_process("fast_path_steps", variants=freed, keep_freed=True, **settings)
+            base = as_is["variants"]["fp32"]["samples_per_s"]
+            for name, v in kept["variants"].items():
+                as_is["variants"][f"{name}+keep_freed_memory"] = {**v, "vs_first": v["samples_per_s"] / base}
+            report["fast_paths"].append(as_is)
         say("profile and oneDNN kernels")
-        report["profile"] = profile_step("fp32", batch_size=args.batch_size, threads=CORES, steps=10, train_size=train_size)
-        report["profile_bf16"] = profile_step("bf16", batch_size=args.batch_size, threads=CORES, steps=10,
-                                              train_size=train_size)
+        report["profile"] = in_fresh_process("profile_step", variant="fp32", batch_size=args.batch_size, threads=CORES,
+                                             steps=10, train_size=train_size)
+        report["profile_bf16"] = in_fresh_process("profile_step", variant="bf16", batch_size=args.batch_size,
+                                                  threads=CORES, steps=10, train_size=train_size)
         report["conv_diagnosis"] = conv_diagnosis(threads=CORES)
         say("imports")
         report["imports"] = import_check(out=out / "import_check")
@@ -953,7 +1037,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             plan = [RunSpec("ddp", "ddp", 1, launcher="python"), RunSpec("baseline", "baseline", 2),
                     RunSpec("ddp", "ddp", 2)]
         else:
-            plan = default_plan(procs, full_runs=not args.no_full_runs, threads_check=True, bf16=not args.no_bf16)
+            plan = default_plan(procs, full_runs=not args.no_full_runs, threads_check=True, bf16=not args.no_bf16,
+                                prototypes=args.all)
         if args.only:
             wanted = set(args.only.split(","))
             plan = [spec for spec in plan if spec.strategy in wanted]
