@@ -703,19 +703,22 @@ def timing_stats(records: list[dict[str, Any]], *, warmup: int, batch_size: int)
 
 
 def run_one(spec: RunSpec, *, work: Path, warmup: int, timed: int, batch_size: int, test_size: int,
-            timeout_s: float) -> dict[str, Any]:
+            train_size: int, timeout_s: float) -> dict[str, Any]:
     out = work / re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{spec.name}_x{spec.nproc}")
     shutil.rmtree(out, ignore_errors=True)
     row: dict[str, Any] = {**asdict(spec), "out": str(out)}
     if spec.script and not (ROOT / spec.script).exists():
         return {**row, "ok": False, "error": f"{spec.script} does not exist (yet)"}
+    # Short runs build a smaller data set (it only has to hold the steps): less start-up on 2 cores. The
+    # run_ddp.sh runs keep the default data set: their launch time is the user's.
+    data = [] if spec.launcher == "run_ddp.sh" else ["--train-size", str(train_size)]
     if spec.full:
         common_args = ["--batch-size", str(batch_size)]
     elif spec.strategy == "baseline":
-        common_args = ["--max-steps", str(warmup + timed), "--batch-size", str(batch_size)]
+        common_args = ["--max-steps", str(warmup + timed), "--batch-size", str(batch_size), *data]
     else:
         common_args = ["--max-steps", str(warmup + timed), "--batch-size", str(batch_size), "--log-every", "100000",
-                       "--test-size", str(test_size)]
+                       "--test-size", str(test_size), *data]
     cmd = spec.command(common_args, out)
     row["command"] = " ".join(cmd).replace(sys.executable, "python")
     watched = launch_and_watch(cmd, out=out, nproc=spec.nproc, timeout_s=timeout_s)
@@ -741,10 +744,10 @@ def run_one(spec: RunSpec, *, work: Path, warmup: int, timed: int, batch_size: i
     return row
 
 
-def default_plan(procs: Sequence[int], *, full_runs: bool, threads_check: bool, bf16: bool,
+def default_plan(procs: Sequence[int], *, modes_procs: int, full_runs: bool, threads_check: bool, bf16: bool,
                  prototypes: bool = False) -> list[RunSpec]:
-    """The runs of the default benchmark. Scaling (every process count in `procs`) for the baseline, DDP,
-    FSDP (full) and the pipeline (1F1B); every other mode and schedule at the largest process count."""
+    """The runs of the benchmark. Scaling (every process count in `procs`) for the baseline, DDP, FSDP (full)
+    and the pipeline (1F1B); every other FSDP mode and pipeline schedule on `modes_procs` processes."""
     n = max(procs)
     plan: list[RunSpec] = []
     for p in procs:
@@ -755,12 +758,13 @@ def default_plan(procs: Sequence[int], *, full_runs: bool, threads_check: bool, 
         plan.append(RunSpec("fsdp full", "fsdp", p, ["--sharding", "full"], launcher=launcher))
         if p > 1:  # a pipeline needs at least two ranks to be one
             plan.append(RunSpec("pipeline 1f1b", "pippy", p, ["--schedule", "1f1b"]))
+    m = modes_procs
     for sharding in SHARDINGS[1:]:
-        if sharding != "hybrid" or n % 2 == 0:
-            plan.append(RunSpec(f"fsdp {sharding}", "fsdp", n, ["--sharding", sharding]))
+        if sharding != "hybrid" or m % 2 == 0:
+            plan.append(RunSpec(f"fsdp {sharding}", "fsdp", m, ["--sharding", sharding]))
     for schedule, flags in SCHEDULE_FLAGS.items():
         if schedule != "1f1b":
-            plan.append(RunSpec(f"pipeline {schedule}", "pippy", n, ["--schedule", schedule, *flags]))
+            plan.append(RunSpec(f"pipeline {schedule}", "pippy", m, ["--schedule", schedule, *flags]))
     if bf16:
         plan.append(RunSpec("ddp", "ddp", 1, precision="bf16", launcher="python"))
         # the default run in bf16, all of it: its test accuracy is an acceptance line
@@ -816,7 +820,8 @@ def markdown(report: dict[str, Any]) -> str:
              + ("" if m["quiet"] else " -- **not quiet: other work shared the cores, the figures are inflated**")
              + ".", "",
              f"Global batch {s['batch_size']}; {s['warmup_steps']} warm-up steps, then {s['timed_steps']} timed "
-             f"(default-length runs: all steps after the warm-up). Matmul peak ({s['peak_n']}^3, best of "
+             f"(the full run: all steps after the warm-up); short runs build a {s['short_train_size']}-image data set, "
+             f"the `run_ddp.sh` runs the default one (launch times include building it). Matmul peak ({s['peak_n']}^3, best of "
              f"{s['peak_repeats']}): " + ", ".join(f"{k} {v:.0f}" for k, v in report["peak_by_threads_gflops"].items())
              + " GFLOP/s; a run's % of peak is of the all-cores figure in its dtype"
              + f". Model: {report['model']['train_flops_per_sample'] / 1e6:.1f} MFLOP per sample (forward + backward).",
@@ -953,14 +958,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--procs", default="1,2,4", help="process counts for the scaling runs")
     parser.add_argument("--only", default="", help="comma-separated strategies to launch (baseline,ddp,fsdp,pippy)")
     parser.add_argument("--batch-size", type=int, default=128, help="global batch of every run")
-    parser.add_argument("--warmup-steps", type=int, default=5)
-    parser.add_argument("--timed-steps", type=int, default=20)
+    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--timed-steps", type=int, default=15)
+    parser.add_argument("--modes-procs", type=int, default=2,
+                        help="processes for the FSDP modes and pipeline schedules beyond the scaling runs (--all: the most)")
     parser.add_argument("--test-size", type=int, default=256, help="test set of the short runs (evaluated once, after timing)")
     parser.add_argument("--no-full-runs", action="store_true", help="run bf16 DDP short too, not the whole default run")
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 launches")
     parser.add_argument("--compile", action="store_true", help="add torch.compile variants to the fast paths (slow to compile)")
     parser.add_argument("--all", action="store_true", help="also the prototypes of the proposed fast paths on the real "
-                        "scripts, FSDP and pipeline in bf16, and --compile (~10 min)")
+                        "scripts, FSDP and pipeline in bf16, every mode and schedule on the most processes, a bf16 "
+                        "profile and --compile (~10 min)")
     parser.add_argument("--micro-only", action="store_true", help="only the in-process measurements, no launches")
     parser.add_argument("--no-micro", action="store_true", help="only the launches, no in-process measurements")
     parser.add_argument("--quick", action="store_true", help="tiny settings: a smoke test of the benchmark itself")
@@ -984,7 +992,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     cpu_before = _cpu_seconds()
     started = time.perf_counter()
     report: dict[str, Any] = {"settings": {**vars(args), "peak_n": peak_n, "peak_repeats": peak_repeats,
-                                           "train_size": train_size}}
+                                           "train_size": train_size, "short_train_size": max(
+                                               args.batch_size * (args.warmup_steps + args.timed_steps), 2048)}}
 
     def say(message: str) -> None:
         print(f"[bench {time.perf_counter() - started:6.1f} s] {message}", flush=True)
@@ -1025,8 +1034,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         say("profile and oneDNN kernels")
         report["profile"] = in_fresh_process("profile_step", variant="fp32", batch_size=args.batch_size, threads=CORES,
                                              steps=10, train_size=train_size)
-        report["profile_bf16"] = in_fresh_process("profile_step", variant="bf16", batch_size=args.batch_size,
-                                                  threads=CORES, steps=10, train_size=train_size)
+        if args.all:
+            report["profile_bf16"] = in_fresh_process("profile_step", variant="bf16", batch_size=args.batch_size,
+                                                      threads=CORES, steps=10, train_size=train_size)
         report["conv_diagnosis"] = conv_diagnosis(threads=CORES)
         say("imports")
         report["imports"] = import_check(out=out / "import_check")
@@ -1037,7 +1047,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             plan = [RunSpec("ddp", "ddp", 1, launcher="python"), RunSpec("baseline", "baseline", 2),
                     RunSpec("ddp", "ddp", 2)]
         else:
-            plan = default_plan(procs, full_runs=not args.no_full_runs, threads_check=True, bf16=not args.no_bf16,
+            plan = default_plan(procs, modes_procs=max(procs) if args.all else args.modes_procs,
+                                full_runs=not args.no_full_runs, threads_check=True, bf16=not args.no_bf16,
                                 prototypes=args.all)
         if args.only:
             wanted = set(args.only.split(","))
@@ -1045,7 +1056,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         for spec in plan:
             say(f"{spec.name} {spec.precision} x{spec.nproc} ({spec.launcher})")
             row = run_one(spec, work=out, warmup=args.warmup_steps, timed=args.timed_steps, batch_size=args.batch_size,
-                          test_size=64 if quick else args.test_size, timeout_s=args.timeout_s)
+                          test_size=64 if quick else args.test_size,
+                          train_size=report["settings"]["short_train_size"],
+                          timeout_s=args.timeout_s)
             if not row["ok"]:
                 say(f"  failed: {row['error']}")
             else:
