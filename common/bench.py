@@ -709,9 +709,9 @@ def run_one(spec: RunSpec, *, work: Path, warmup: int, timed: int, batch_size: i
     row: dict[str, Any] = {**asdict(spec), "out": str(out)}
     if spec.script and not (ROOT / spec.script).exists():
         return {**row, "ok": False, "error": f"{spec.script} does not exist (yet)"}
-    # Short runs build a smaller data set (it only has to hold the steps): less start-up on 2 cores. The
-    # run_ddp.sh runs keep the default data set: their launch time is the user's.
-    data = [] if spec.launcher == "run_ddp.sh" else ["--train-size", str(train_size)]
+    # Every run builds the default data set (train_size): its size changes the allocator's history, and that
+    # changes the step time (see keep_freed_memory); the quick smoke test builds a small one.
+    data = ["--train-size", str(train_size)] if train_size else []
     if spec.full:
         common_args = ["--batch-size", str(batch_size)]
     elif spec.strategy == "baseline":
@@ -820,8 +820,7 @@ def markdown(report: dict[str, Any]) -> str:
              + ("" if m["quiet"] else " -- **not quiet: other work shared the cores, the figures are inflated**")
              + ".", "",
              f"Global batch {s['batch_size']}; {s['warmup_steps']} warm-up steps, then {s['timed_steps']} timed "
-             f"(the full run: all steps after the warm-up); short runs build a {s['short_train_size']}-image data set, "
-             f"the `run_ddp.sh` runs the default one (launch times include building it). Matmul peak ({s['peak_n']}^3, best of "
+             f"(the full run: all steps after the warm-up). Matmul peak ({s['peak_n']}^3, best of "
              f"{s['peak_repeats']}): " + ", ".join(f"{k} {v:.0f}" for k, v in report["peak_by_threads_gflops"].items())
              + " GFLOP/s; a run's % of peak is of the all-cores figure in its dtype"
              + f". Model: {report['model']['train_flops_per_sample'] / 1e6:.1f} MFLOP per sample (forward + backward).",
@@ -992,8 +991,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     cpu_before = _cpu_seconds()
     started = time.perf_counter()
     report: dict[str, Any] = {"settings": {**vars(args), "peak_n": peak_n, "peak_repeats": peak_repeats,
-                                           "train_size": train_size, "short_train_size": max(
-                                               args.batch_size * (args.warmup_steps + args.timed_steps), 2048)}}
+                                           "train_size": train_size}}
 
     def say(message: str) -> None:
         print(f"[bench {time.perf_counter() - started:6.1f} s] {message}", flush=True)
@@ -1021,7 +1019,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.compile:
             variants += ["fp32+compile", "bf16+channels_last+compile"]
         report["fast_paths"] = []
-        for batch, threads, rounds, per_round in ((args.batch_size, CORES, 5, 3), (args.batch_size // 4, 1, 5, 4)):
+        fast_settings = [(args.batch_size, CORES, 5, 3)] + ([(args.batch_size // 4, 1, 5, 4)] if args.all else [])
+        for batch, threads, rounds, per_round in fast_settings:
             # the second: one rank's share of a 4-process step, on one thread, timed by CPU time
             settings = dict(batch_size=batch, threads=threads, rounds=rounds, steps_per_round=per_round,
                             train_size=train_size)
@@ -1057,7 +1056,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             say(f"{spec.name} {spec.precision} x{spec.nproc} ({spec.launcher})")
             row = run_one(spec, work=out, warmup=args.warmup_steps, timed=args.timed_steps, batch_size=args.batch_size,
                           test_size=64 if quick else args.test_size,
-                          train_size=report["settings"]["short_train_size"],
+                          train_size=train_size if quick else 0,
                           timeout_s=args.timeout_s)
             if not row["ok"]:
                 say(f"  failed: {row['error']}")
