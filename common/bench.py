@@ -743,6 +743,10 @@ def run_one(spec: RunSpec, *, work: Path, warmup: int, timed: int, batch_size: i
         row["tensor_bytes_per_rank"] = [m["param_bytes"] + m["grad_bytes"] + m["optim_bytes"]
                                         for m in info["memory"]["per_rank"]]
         row["test_accuracy"] = (info.get("final") or {}).get("test_accuracy")
+        bubble = (info.get("pipeline") or {}).get("bubble")
+        if bubble:  # the pipeline's own measurement: how busy each rank was
+            row["pipeline_bubble"] = {"measured": bubble.get("measured"),
+                                      "busy_fraction_per_rank": bubble.get("busy_fraction_per_rank")}
     return row
 
 
