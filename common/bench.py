@@ -1,6 +1,7 @@
 """Benchmark: every strategy against a conventional baseline and against the machine's matmul peak.
 
     python -m common.bench                      # the default suite (~5 min on 2 cores): runs/bench/bench.{json,md}
+    python -m common.bench --all                # + prototypes of the proposed fast paths, compile, repeats (~10 min)
     python -m common.bench --wait-quiet 600     # first wait (up to 600 s) until the 1-min load average is < 1
     python -m common.bench --only ddp,baseline --procs 1,2 --timed-steps 10
     python -m common.bench --quick              # seconds: tiny settings, for the smoke test
@@ -22,6 +23,10 @@ What it does, in this order:
    --timed-steps: samples/s, median step time and its spread; from the launch to the first metrics record
    (polled every 20 ms); each rank's tensor memory (run.json) and peak RSS (/proc VmHWM, polled).
 5. Writes bench.json (everything) and bench.md (the tables the README shows).
+
+Sub-commands used by the launches: `baseline-worker` (the conventional script), `patched-run PATCHES SCRIPT`
+(a training script with fast paths patched into common/: prototypes of changes to files this module does
+not own) and `micro-worker` (one in-process measurement in a fresh process).
 
 Timing on a shared machine is noise: the JSON records the load average before and after, and the
 Markdown says when the machine was not quiet.
@@ -199,8 +204,6 @@ def _variant_step(variant: str, *, batch_size: int, train_size: int) -> Callable
     if "channels_last" in flags:
         model = model.to(memory_format=torch.channels_last)
         images = images.contiguous(memory_format=torch.channels_last)
-    if "channels_last_inputs" in flags:
-        _convolve_channels_last(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused="fused_adamw" in flags or None)
     forward = torch.compile(model) if "compile" in flags else model
     bf16 = "bf16" in flags
@@ -513,33 +516,6 @@ def _patch_fused_adamw() -> None:
     common.training.build_optimizer = build_optimizer_fused
 
 
-def _channels_last_input(module, args):
-    return (args[0].contiguous(memory_format=__import__("torch").channels_last), *args[1:])
-
-
-def _convolve_channels_last(model) -> None:
-    """Feed every Conv2d a channels_last input; its weights stay as they are (FSDP2 rejects parameters that
-    are not contiguous), and oneDNN then computes the convolution in NHWC, without reordering activations."""
-    from torch import nn
-
-    for module in model.modules():
-        if isinstance(module, nn.Conv2d):
-            module.register_forward_pre_hook(_channels_last_input)
-
-
-def _patch_channels_last_inputs() -> None:
-    import common.model
-
-    build_model = common.model.build_model
-
-    def build_model_cl(**kwargs):
-        model = build_model(**kwargs)
-        _convolve_channels_last(model)
-        return model
-
-    common.model.build_model = build_model_cl
-
-
 def keep_freed_memory() -> bool:
     """Make glibc keep freed memory for reuse instead of handing it back to the kernel (Linux/glibc only).
 
@@ -558,8 +534,8 @@ def keep_freed_memory() -> bool:
     return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
 
 
-PATCHES = {"channels_last": _patch_channels_last, "channels_last_inputs": _patch_channels_last_inputs,
-           "fused_adamw": _patch_fused_adamw, "keep_freed_memory": keep_freed_memory}
+PATCHES = {"channels_last": _patch_channels_last, "fused_adamw": _patch_fused_adamw,
+           "keep_freed_memory": keep_freed_memory}
 
 
 def patched_run(argv: Sequence[str]) -> None:
