@@ -137,9 +137,9 @@ def _cell(key: str, value: Any) -> str:
 def format_table(rows: list[dict[str, Any]], *, markdown: bool) -> str:
     keys = list(rows[0])
     cells = [[_cell(k, row[k]) for k in keys] for row in rows]
-    if markdown:
-        lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-        return "\n".join(lines + ["| " + " | ".join(c) + " |" for c in cells])
+    if markdown:  # a "|" inside a cell must be escaped, or it splits the cell ("max |Δloss| vs ref")
+        row = lambda values: "| " + " | ".join(v.replace("|", "\\|") for v in values) + " |"  # noqa: E731
+        return "\n".join([row(keys), "|" + "---|" * len(keys), *map(row, cells)])
     widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
     line = lambda values: "  ".join(v.ljust(w) for v, w in zip(values, widths))  # noqa: E731
     return "\n".join([line(keys), line(["-" * w for w in widths]), *map(line, cells)])

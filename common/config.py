@@ -148,6 +148,10 @@ class Config:
         need(self.n_microbatches >= 1, "n-microbatches", f"must be at least 1, got {self.n_microbatches}")
         need(self.stages_per_rank >= 1, "stages-per-rank", f"must be at least 1, got {self.stages_per_rank}")
         need(self.dp >= 1, "dp", f"must be at least 1, got {self.dp}")
+        # the built-in data set's size is a flag, so this is known before any worker starts (for the
+        # torchvision ones the sampler says the same once the data is loaded)
+        need(self.dataset != "digits" or self.batch_size <= self.train_size, "batch-size",
+             batch_larger_than_data(self.batch_size, self.train_size))
         need(self.batch_size % self.grad_accum_steps == 0, "grad-accum-steps",
              f"{self.grad_accum_steps} does not divide --batch-size {self.batch_size}")
         if world_size is not None:
@@ -213,6 +217,11 @@ class Config:
     def data_parallel_size(self, world_size: int) -> int:
         """How many ranks split each global batch (the pipeline splits it only across its replicas)."""
         return self.dp if self.strategy == "pippy" else world_size
+
+
+def batch_larger_than_data(batch_size: int, n_samples: int) -> str:
+    return (f"the global batch {batch_size} is larger than the training set ({n_samples} samples); "
+            f"use a smaller batch or more data")
 
 
 # Flags that exist only in some scripts; all other fields are flags of every script.

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.config import ConfigError
+from common.config import ConfigError, batch_larger_than_data
 from common.preflight import DataMissingError, last_line, missing_data_message, torchvision_dataset
 
 
@@ -115,8 +115,7 @@ class GlobalBatchSampler:
 
     def __init__(self, n_samples: int, global_batch_size: int, *, seed: int) -> None:
         if global_batch_size > n_samples:
-            raise ConfigError(f"--batch-size: the global batch {global_batch_size} is larger than the training set "
-                              f"({n_samples} samples); use a smaller batch or more data")
+            raise ConfigError(f"--batch-size: {batch_larger_than_data(global_batch_size, n_samples)}")
         self.n_samples = n_samples
         self.global_batch_size = global_batch_size
         self.seed = seed

@@ -20,10 +20,14 @@ def run_all(tmp_path_factory):
 
 
 def markdown_rows(stdout: str) -> dict[str, dict[str, str]]:
+    """The Markdown table as {run: {column: cell}}; a cell's "|" is escaped as "\\|", as Markdown wants."""
+    def cells(line: str) -> list[str]:
+        return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip()[1:-1])]
+
     lines = [line for line in stdout.splitlines() if line.startswith("|")]
-    header = [c.strip() for c in lines[0].strip("|").split("|")]
-    rows = [dict(zip(header, (c.strip() for c in line.strip("|").split("|")))) for line in lines[2:]]
-    return {row["run"]: row for row in rows}
+    header = cells(lines[0])
+    assert all(len(cells(line)) == len(header) for line in lines), lines
+    return {row["run"]: row for row in (dict(zip(header, cells(line))) for line in lines[2:])}
 
 
 def test_run_all_writes_a_figure(run_all):
