@@ -179,7 +179,8 @@ def train(cfg, env) -> None:
         if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
             run_eval(step)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-            save_checkpoint(cfg.out, step, model=local_model, optimizers=optimizers, strategy="pippy")
+            save_checkpoint(cfg.out, step, model=local_model, optimizers=optimizers, strategy="pippy",
+                            keep=cfg.keep)
 
     memory = gather_memory(measure_memory(params, optimizer, env.device), env.rank)
     bubble = meter.report(cfg.out, write=is_logger, pp_size=pp_size, n_stages=n_stages,

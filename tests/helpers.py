@@ -5,22 +5,33 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH_TIMEOUT_S = 240
 
 # Small and fast, but the real thing: the built-in data set, cut down.
 SMALL = ["--train-size", "1536", "--test-size", "256", "--log-every", "1000"]
+PARITY_STEPS = 30
 # Step-by-step comparable runs: no dropout (its masks depend on the rank), fp32, and a learning rate at
 # which the 1-process run is itself stable. AdamW divides each gradient element by its own running RMS, so
 # elements whose gradient is mostly rounding noise (LayerNorm's per-position bias at rarely active
 # positions) turn ~1e-7 summation-order differences into visible weight differences, which then grow from
 # step to step: at --lr 2e-3 even 1- and 2-thread single-process runs drift apart by ~6e-3 within 24 steps;
 # at 1e-4 they agree to ~6e-6 over 30 steps (measured here).
-PARITY = [*SMALL, "--dropout", "0", "--max-steps", "24", "--batch-size", "96", "--warmup-steps", "4", "--lr", "1e-4"]
+PARITY = [*SMALL, "--dropout", "0", "--max-steps", str(PARITY_STEPS), "--batch-size", "96", "--warmup-steps", "4",
+          "--lr", "1e-4"]
+# SGD (momentum 0.9) at a learning rate where the 1-process run is itself stable across thread counts:
+# at 0.02 the loss spikes and 4-rank runs drift 2e-4 from it within 24 steps; at 0.005 1- vs 2-thread runs
+# agree to ~3e-5 and 4 ranks to ~2e-6 (measured here).
+SGD = ["--optimizer", "sgd", "--lr", "0.005"]
 
 
 def env_for_tests() -> dict[str, str]:
@@ -74,3 +85,77 @@ def max_abs_diff(a: list[float], b: list[float]) -> float:
 
 def read_run(out: Path) -> dict:
     return json.loads((out / "run.json").read_text())
+
+
+def rewind(src: Path, dst: Path, step: int) -> Path:
+    """A copy of run folder `src` as a run stopped right after step `step` would have left it: the
+    checkpoints up to that step and the metrics records up to it."""
+    (dst / "checkpoints").mkdir(parents=True)
+    for checkpoint in (src / "checkpoints").glob("step_???????"):
+        if int(checkpoint.name[len("step_"):]) <= step:
+            shutil.copytree(checkpoint, dst / "checkpoints" / checkpoint.name)
+    lines = (src / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (dst / "metrics.jsonl").write_text("".join(line for line in lines if json.loads(line)["step"] <= step))
+    return dst
+
+
+def run_many(runs: dict[Path, tuple[str, list[str]]], nproc: int, *,
+             timeout: float = 2 * LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """Several trainings {out: (strategy, flags)} one after another in ONE torchrun launch of nproc
+    processes (tests/workers/runs.py runs the real train_<strategy>.train for each)."""
+    spec = Path(tempfile.mkstemp(suffix=".json", prefix="runs-", dir=next(iter(runs)).parent)[1])
+    spec.write_text(json.dumps({str(out): [strategy, flags] for out, (strategy, flags) in runs.items()}))
+    return run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                        "tests/workers/runs.py", str(spec)], timeout=timeout)
+
+
+# ------------------------------------------------------------------------------------ killing a worker
+def workers_writing_to(out: Path) -> dict[int, int]:
+    """{pid: rank} of the training workers (not the torchrun agent) whose --out is `out`."""
+    workers = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+            if str(out) not in argv or "torch.distributed.run" in argv or not any(a.startswith("train_") for a in argv):
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = dict(v.split("=", 1) for v in f.read().decode(errors="replace").split("\0") if "=" in v)
+            workers[int(pid)] = int(environ.get("RANK", 0))
+        except (OSError, ValueError):
+            continue  # exited meanwhile
+    return workers
+
+
+def last_logged_step(out: Path) -> int:
+    try:
+        return max(read_metrics(out)[0], default=0)
+    except (OSError, ValueError, AssertionError):  # not there yet, a line half-written, or rewritten by a resume
+        return 0
+
+
+def start_runner(strategy: str, flags: list[str], out: Path, **env: str) -> subprocess.Popen:
+    return subprocess.Popen(["bash", f"run_{strategy}.sh", *flags, "--out", str(out)], cwd=ROOT,
+                            env={**env_for_tests(), **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def kill_a_worker_when(runner: subprocess.Popen, out: Path, nproc: int, ready: Callable[[], bool], *,
+                       poll_s: float = 0.002, timeout_s: float = LAUNCH_TIMEOUT_S) -> tuple[int, str]:
+    """SIGKILL the highest-ranked of the `nproc` training workers of `runner` as soon as `ready()` holds;
+    then wait for the runner to end. Returns (the killed rank, everything the runner printed)."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        workers: dict[int, int] = {}
+        while runner.poll() is None and time.monotonic() < deadline:
+            if len(workers) < nproc:
+                workers = workers_writing_to(out)
+            elif ready():
+                break
+            time.sleep(poll_s)
+        else:
+            raise AssertionError(f"the run ended or timed out before it could be killed:\n{runner.communicate()[0][-3000:]}")
+        victim, rank = max(workers.items(), key=lambda item: item[1])
+        os.kill(victim, signal.SIGKILL)
+        return rank, runner.communicate(timeout=timeout_s)[0]
+    finally:
+        runner.kill()

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.helpers import PARITY, env_for_tests, launch, read_metrics, run_command
+from tests.helpers import PARITY, PARITY_STEPS, env_for_tests, launch, read_metrics, run_command
 
 RUNS = ("ref", "ddp", "fsdp", "pippy")
 
@@ -48,7 +48,7 @@ def test_table_numbers_match_the_metrics(run_all):
         row = rows[name]
         assert row["final train loss"] == f"{train[max(train)]['loss']:.4f}"
         assert row["test accuracy"] == f"{100 * evals[-1]['test_accuracy']:.2f}%"
-        assert row["steps"] == str(len(train)) == "24"
+        assert row["steps"] == str(len(train)) == str(PARITY_STEPS)
         assert int(row["world size"]) == (1 if name == "ref" else 2)
     assert rows["fsdp"]["settings"].startswith("fsdp") and rows["pippy"]["settings"].startswith("pippy")
 

@@ -1,4 +1,5 @@
-"""DDP on real processes (gloo): loss parity with one process, accumulation, resume, the runner, bad input."""
+"""DDP on real processes (gloo): loss parity with one process, accumulation, resume, a SIGKILLed worker, the
+runner, damaged checkpoints, two torchrun agents, bad input."""
 
 import math
 import re
@@ -7,60 +8,55 @@ import sys
 
 import pytest
 
-from tests.helpers import (PARITY, ROOT, env_for_tests, launch, losses, max_abs_diff, read_metrics, read_run,
-                           run_command)
+from tests.helpers import (PARITY, PARITY_STEPS, ROOT, SGD, env_for_tests, kill_a_worker_when, last_logged_step,
+                           launch, losses, max_abs_diff, read_metrics, read_run, rewind, run_command, run_many,
+                           start_runner)
 
-# SGD (momentum 0.9) at a learning rate where the 1-process run is itself stable across thread counts:
-# at 0.02 the loss spikes and 4-rank runs drift 2e-4 from it within 24 steps; at 0.005 1- vs 2-thread runs
-# agree to ~3e-5 and 4 ranks to ~2e-6 (measured here).
-SGD = ["--optimizer", "sgd", "--lr", "0.005"]
+TEN = ["--checkpoint-every", "10"]  # checkpoints after steps 10, 20 and 30
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every run the parity tests compare, launched once for the module."""
+def runs(tmp_path_factory, references):
+    """Every run the parity tests compare, launched once for the module (the 1-process references are
+    shared with test_fsdp.py)."""
     root = tmp_path_factory.mktemp("ddp")
-    out = {name: root / name for name in
-           ("ref", "ddp4", "ddp3_accum", "runner2", "part1", "resumed", "sgd_ref", "sgd_ref_1thread", "sgd4")}
-    launch("train_ddp.py", 1, PARITY, out["ref"])
-    launch("train_ddp.py", 4, PARITY, out["ddp4"])
+    out = {name: root / name for name in ("ddp4", "sgd4", "ddp3_accum", "runner2", "resumed")}
+    out.update(references)
+    # two trainings in one launch of 4 processes (tests/workers/runs.py): start-up costs more than a run
+    run_many({out["ddp4"]: ("ddp", PARITY),
+              out["sgd4"]: ("ddp", [*PARITY, *SGD, "--checkpoint-every", "6", "--keep", "2"])}, 4)
     launch("train_ddp.py", 3, [*PARITY, "--grad-accum-steps", "2"], out["ddp3_accum"])
-    run_command(["bash", "run_ddp.sh", *PARITY, "--checkpoint-every", "12", "--out", str(out["runner2"])],
-                env={**env_for_tests(), "NPROC": "2"})
-    # stopped after 12 steps, then resumed from its checkpoint up to 24
-    launch("train_ddp.py", 2, [*PARITY, "--max-steps", "12", "--checkpoint-every", "12"], out["part1"])
-    shutil.copytree(out["part1"], out["resumed"])
-    launch("train_ddp.py", 2, [*PARITY, "--checkpoint-every", "12", "--resume"], out["resumed"])
-    launch("train_ddp.py", 1, [*PARITY, *SGD, "--threads", "2"], out["sgd_ref"])
-    launch("train_ddp.py", 1, [*PARITY, *SGD, "--threads", "1"], out["sgd_ref_1thread"])
-    launch("train_ddp.py", 4, [*PARITY, *SGD, "--checkpoint-every", "6", "--keep", "2"], out["sgd4"])
+    run_command(["bash", "run_ddp.sh", *PARITY, *TEN, "--out", str(out["runner2"])], env={**env_for_tests(), "NPROC": "2"})
+    # the runner's run as it stood after step 10, resumed in a new launch up to step 30
+    rewind(out["runner2"], out["resumed"], 10)
+    launch("train_ddp.py", 2, [*PARITY, *TEN, "--resume"], out["resumed"])
     return out
 
 
 def test_four_ranks_match_one_process_adamw(runs):
-    ref = losses(runs["ref"])
-    assert len(ref) == 24 and ref[-1] < ref[0] * 0.7, "the reference run should learn"
+    ref = losses(runs["adamw"])
+    assert len(ref) == PARITY_STEPS and ref[-1] < ref[0] * 0.7, "the reference run should learn"
     assert max_abs_diff(losses(runs["ddp4"]), ref) <= 1e-4
 
 
 def test_three_ranks_with_gradient_accumulation_match_one_process(runs):
-    assert max_abs_diff(losses(runs["ddp3_accum"]), losses(runs["ref"])) <= 1e-4
+    assert max_abs_diff(losses(runs["ddp3_accum"]), losses(runs["adamw"])) <= 1e-4
 
 
 def test_runner_two_ranks_match_and_write_the_metrics_contract(runs):
     out = runs["runner2"]
-    assert max_abs_diff(losses(out), losses(runs["ref"])) <= 1e-4
+    assert max_abs_diff(losses(out), losses(runs["adamw"])) <= 1e-4
     train, evals = read_metrics(out)
     for record in train.values():
         assert set(record) == {"kind", "step", "loss", "lr", "samples_per_s", "step_time_s"}
         assert record["samples_per_s"] > 0 and record["step_time_s"] > 0 and math.isfinite(record["loss"])
     assert [r["lr"] for r in train.values()][:5] == pytest.approx([1e-4 * s / 4 for s in (1, 2, 3, 4)] + [1e-4])
-    assert len(evals) == 1 and evals[0]["step"] == 24 and 0 < evals[0]["test_accuracy"] <= 1
+    assert len(evals) == 1 and evals[0]["step"] == PARITY_STEPS and 0 < evals[0]["test_accuracy"] <= 1
     run = read_run(out)
     assert (run["strategy"], run["world_size"], run["backend"], run["device"]) == ("ddp", 2, "gloo", "cpu")
     assert run["config"]["batch_size"] == 96 and "sharding" not in run["config"]
     assert run["final"]["test_accuracy"] == evals[0]["test_accuracy"]
-    assert run["final"]["train_loss"] == train[24]["loss"]
+    assert run["final"]["train_loss"] == train[PARITY_STEPS]["loss"]
     assert [m["rank"] for m in run["memory"]["per_rank"]] == [0, 1]
     for m in run["memory"]["per_rank"]:
         # DDP: a full replica of the 1.27M fp32 parameters, their gradients and AdamW's two moments
@@ -70,7 +66,7 @@ def test_runner_two_ranks_match_and_write_the_metrics_contract(runs):
 
 
 def test_evaluation_covers_the_whole_test_set_the_same_way_at_any_world_size(runs):
-    accuracies = {name: read_metrics(runs[name])[1][-1]["test_accuracy"] for name in ("ref", "ddp4", "ddp3_accum")}
+    accuracies = {name: read_metrics(runs[name])[1][-1]["test_accuracy"] for name in ("adamw", "ddp4", "ddp3_accum")}
     # 256 test images: the same predictions give the same count of hits, whatever the sharding
     assert len({round(a * 256) for a in accuracies.values()}) == 1, accuracies
     assert all(round(a * 256) == a * 256 for a in accuracies.values())
@@ -78,20 +74,32 @@ def test_evaluation_covers_the_whole_test_set_the_same_way_at_any_world_size(run
 
 def test_resume_continues_exactly(runs):
     full, resumed = losses(runs["runner2"]), losses(runs["resumed"])
-    assert max_abs_diff(resumed, full) <= 1e-6
-    assert (runs["resumed"] / "checkpoints" / "step_0000024" / "meta.json").exists()
+    assert len(resumed) == PARITY_STEPS and max_abs_diff(resumed, full) <= 1e-6
+    assert (runs["resumed"] / "checkpoints" / "step_0000030" / "meta.json").exists()
 
 
 def test_sgd_matches_one_process(runs):
-    ref = losses(runs["sgd_ref"])
+    ref = losses(runs["sgd"])
     # the tolerance means something only where the reference itself is stable at that tolerance
-    assert max_abs_diff(losses(runs["sgd_ref_1thread"]), ref) <= 1e-4, "the reference itself must be stable"
+    assert max_abs_diff(losses(runs["sgd_1thread"]), ref) <= 1e-4, "the reference itself must be stable"
     assert max_abs_diff(losses(runs["sgd4"]), ref) <= 1e-4
     assert ref[-1] < ref[0]
 
 
 def test_keep_deletes_all_but_the_newest_checkpoints(runs):
-    assert sorted(p.name for p in (runs["sgd4"] / "checkpoints").iterdir()) == ["step_0000018", "step_0000024"]
+    assert sorted(p.name for p in (runs["sgd4"] / "checkpoints").iterdir()) == ["step_0000024", "step_0000030"]
+
+
+def test_a_sigkilled_worker_is_restarted_and_the_run_finishes_unchanged(runs, tmp_path):
+    """MAX_RESTARTS=1: a worker SIGKILLed past the first checkpoint; torchrun restarts the group, the new
+    workers resume by themselves, and the run ends as the uninterrupted one, each step logged once."""
+    out = tmp_path / "killed"
+    runner = start_runner("ddp", [*PARITY, *TEN], out, NPROC="2", MAX_RESTARTS="1")
+    _, output = kill_a_worker_when(runner, out, 2, lambda: last_logged_step(out) > 10)
+    assert runner.returncode == 0, output[-4000:]
+    resumed = re.search(r"resumed from \S+ \(step (\d+)\)", output)
+    assert resumed and resumed.group(1) in ("10", "20"), output[-3000:]
+    assert max_abs_diff(losses(out), losses(runs["runner2"])) <= 1e-6  # losses() fails on a step logged twice
 
 
 def test_ranks_share_weights_but_not_dropout_masks():
@@ -152,10 +160,10 @@ def test_help_lists_flags_with_their_docs():
 
 # --------------------------------------------------------------------------------------------- checkpoints
 def _damaged_copy(runs, tmp_path, damage):
-    """A copy of the 2-rank run folder (checkpoints at steps 12 and 24) with its step-24 checkpoint damaged."""
+    """A copy of the 2-rank run folder (checkpoints at steps 10, 20 and 30) with its step-30 checkpoint damaged."""
     out = tmp_path / "run"
     shutil.copytree(runs["runner2"], out)
-    shard = sorted((out / "checkpoints" / "step_0000024").glob("*.distcp"))[0]
+    shard = sorted((out / "checkpoints" / "step_0000030").glob("*.distcp"))[0]
     damage(shard)
     return out
 
@@ -164,11 +172,11 @@ def test_a_truncated_checkpoint_is_detected_and_skipped_loudly(runs, tmp_path):
     from common.checkpoint import latest_checkpoint, verify_checkpoint
 
     out = _damaged_copy(runs, tmp_path, lambda f: f.write_bytes(f.read_bytes()[:1000]))
-    problem = verify_checkpoint(str(out / "checkpoints" / "step_0000024"))
+    problem = verify_checkpoint(str(out / "checkpoints" / "step_0000030"))
     assert problem and "truncated" in problem
     warnings = []
-    assert latest_checkpoint(str(out), log=warnings.append) == str(out / "checkpoints" / "step_0000012")
-    assert len(warnings) == 1 and "step_0000024 is damaged" in warnings[0]
+    assert latest_checkpoint(str(out), log=warnings.append) == str(out / "checkpoints" / "step_0000020")
+    assert len(warnings) == 1 and "step_0000030 is damaged" in warnings[0]
 
 
 def test_a_corrupted_checkpoint_is_detected_and_resume_falls_back(runs, tmp_path):
@@ -179,8 +187,8 @@ def test_a_corrupted_checkpoint_is_detected_and_resume_falls_back(runs, tmp_path
 
     out = _damaged_copy(runs, tmp_path, flip_a_byte)
     proc = launch("train_ddp.py", 2, [*PARITY, "--resume"], out)
-    assert "step_0000024 is damaged" in proc.stdout and "does not match its checksum" in proc.stdout
-    assert "resumed from" in proc.stdout and "(step 12)" in proc.stdout
+    assert "step_0000030 is damaged" in proc.stdout and "does not match its checksum" in proc.stdout
+    assert "resumed from" in proc.stdout and "(step 20)" in proc.stdout
     assert max_abs_diff(losses(out), losses(runs["runner2"])) <= 1e-6
 
 
@@ -191,7 +199,7 @@ def test_resume_refuses_when_every_checkpoint_is_damaged(runs, tmp_path):
     proc = launch("train_ddp.py", 1, [*PARITY, "--resume"], out, check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "error: --resume: no checkpoint in" in proc.stderr and "passes verification" in proc.stderr
-    assert (out / "checkpoints" / "step_0000012").exists(), "a damaged checkpoint is never deleted"
+    assert (out / "checkpoints" / "step_0000010").exists(), "a damaged checkpoint is never deleted"
 
 
 # --------------------------------------------------------------------------------------------- several machines
@@ -214,7 +222,7 @@ def test_two_torchrun_agents_reproduce_the_single_agent_curve(runs, tmp_path):
             agent.kill()
     assert [agent.returncode for agent in agents] == [0, 0], outputs
     assert read_run(tmp_path / "out")["world_size"] == 4
-    assert max_abs_diff(losses(tmp_path / "out"), losses(runs["ref"])) <= 1e-4
+    assert max_abs_diff(losses(tmp_path / "out"), losses(runs["adamw"])) <= 1e-4
 
 
 def test_a_diverging_run_stops_naming_the_step_and_keeps_its_last_checkpoint(tmp_path):

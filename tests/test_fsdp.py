@@ -1,74 +1,76 @@
-"""FSDP on real processes (gloo): every sharding mode against one process, resume and resharding of DCP
-checkpoints, memory against DDP and against the theory, bf16, the exported model.pt, the runner."""
+"""FSDP on real processes (gloo): every sharding mode against one process, a worker killed during a save and
+the resume after it, resharding of DCP checkpoints, memory against DDP and against the theory, bf16, the
+exported model.pt, the runner."""
 
-import json
 import shutil
 import sys
 
 import pytest
 import torch
 
-from tests.helpers import (LAUNCH_TIMEOUT_S, PARITY, SMALL, env_for_tests, launch, losses, max_abs_diff, read_metrics,
-                           read_run, run_command)
+from common.checkpoint import latest_checkpoint, verify_checkpoint
+from tests.helpers import (PARITY, PARITY_STEPS, SGD, SMALL, env_for_tests, kill_a_worker_when, launch, losses,
+                           max_abs_diff, read_metrics, read_run, run_command, run_many, start_runner)
 
 MODES = ("full", "grad-op", "hybrid", "none")
 SHARDS_ON_4 = {"full": 4, "grad-op": 4, "hybrid": 2, "none": 1}  # ranks one parameter is split over
-# SGD (momentum 0.9) where the 1-process run is itself stable across thread counts (see tests/test_ddp.py)
-SGD = ["--optimizer", "sgd", "--lr", "0.005"]
 # The SGD runs also carry one option each that must not change the numbers: activation checkpointing
 # (recompute), CPU offload (the optimizer steps on CPU copies), accumulation (HSDP skips the reduce-scatter
 # and the all-reduce on the inner micro-step).
 SGD_EXTRA = {"full": ["--activation-checkpointing"], "grad-op": ["--cpu-offload"],
              "hybrid": ["--grad-accum-steps", "2"], "none": []}
 # 30 AdamW steps with a checkpoint every 15: parity over 30 steps, and the step-15 checkpoint to resume from
-LONG = [*PARITY, "--max-steps", "30", "--checkpoint-every", "15"]
+LONG = [*PARITY, "--checkpoint-every", "15"]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every run the tests compare, launched once for the module: five launches, and one torchrun of
-    eleven trainings on the same 4 ranks (tests/workers/fsdp_runs.py), which saves ten start-ups of 4 processes."""
+def runs(tmp_path_factory, references):
+    """Every run the tests compare, launched once for the module: ten trainings in one torchrun of 4
+    processes (tests/workers/runs.py: starting Python and torch in four processes costs more than a
+    30-step run), and the 4-rank step-15 checkpoint resumed on 2 ranks and on 1. The 1-process
+    references are shared with test_ddp.py."""
     root = tmp_path_factory.mktemp("fsdp")
-    out = {}
-
-    def go(name, script, nproc, args):
-        out[name] = root / name
-        launch(script, nproc, args, out[name])
-
-    # the 1-process reference is plain training: train_ddp.py without torchrun, no communication at all
-    go("ref", "train_ddp.py", 1, LONG)
-    go("sgd_ref", "train_ddp.py", 1, [*PARITY, *SGD, "--threads", "2"])
-    go("sgd_ref_1thread", "train_ddp.py", 1, [*PARITY, *SGD, "--threads", "1"])
-
     on_4_ranks = {"ddp4": ("ddp", [*PARITY, "--max-steps", "2"]),  # only for its memory record
-                  "bf16": ("fsdp", [*SMALL, "--batch-size", "96", "--precision", "bf16", "--sharding", "grad-op"]),
-                  "stopped": ("fsdp", [*LONG, "--max-steps", "15"])}  # resumed below, by a new launch
+                  "bf16": ("fsdp", [*SMALL, "--batch-size", "96", "--precision", "bf16", "--sharding", "grad-op"])}
     for mode in MODES:
         on_4_ranks[f"adamw_{mode}"] = ("fsdp", [*LONG, "--sharding", mode])
         on_4_ranks[f"sgd_{mode}"] = ("fsdp", [*PARITY, *SGD, "--sharding", mode, *SGD_EXTRA[mode]])
-    out.update({name: root / name for name in on_4_ranks})
-    (root / "runs.json").write_text(json.dumps({str(root / name): run for name, run in on_4_ranks.items()}))
-    run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                 "tests/workers/fsdp_runs.py", str(root / "runs.json")], timeout=2 * LAUNCH_TIMEOUT_S)
+    out = {**references, **{name: root / name for name in on_4_ranks}}
+    run_many({root / name: run for name, run in on_4_ranks.items()}, 4)
 
-    # the run stopped after 15 steps, resumed to 30 by the runner (which this also tests end to end)
-    out["resumed"] = root / "resumed"
-    shutil.copytree(out["stopped"], out["resumed"])
-    run_command(["bash", "run_fsdp.sh", *LONG, "--resume", "--out", str(out["resumed"])],
-                env={**env_for_tests(), "NPROC": "4"})
     # the 4-rank step-15 checkpoint resumed on 2 ranks and on 1 (a folder holding only that checkpoint)
     for name, nproc in (("on2", 2), ("on1", 1)):
-        (root / name / "checkpoints").mkdir(parents=True)
+        out[name] = root / name
         step15 = "checkpoints/step_0000015"
-        shutil.copytree(out["adamw_full"] / step15, root / name / step15)
-        go(name, "train_fsdp.py", nproc, [*LONG, "--resume"])
+        shutil.copytree(out["adamw_full"] / step15, out[name] / step15)
+        launch("train_fsdp.py", nproc, [*LONG, "--resume"], out[name])
     return out
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """run_fsdp.sh on 4 ranks, a checkpoint every 5 steps, one worker SIGKILLed in the middle of the save
+    after step 20 (MAX_RESTARTS=0: the job ends); what it left on disk; then the same command with --resume."""
+    out = tmp_path_factory.mktemp("killed") / "run"
+    flags = [*PARITY, "--checkpoint-every", "5"]
+    runner = start_runner("fsdp", flags, out, NPROC="4")
+
+    def saving_after_step_15() -> bool:
+        return any(int(p.name[len("step_"):-len(".tmp")]) > 15 for p in (out / "checkpoints").glob("step_*.tmp"))
+
+    rank, output = kill_a_worker_when(runner, out, 4, saving_after_step_15)
+    left = {"returncode": runner.returncode, "killed_rank": rank, "output": output,
+            "unfinished": sorted(p.name for p in (out / "checkpoints").glob("*.tmp")),
+            "latest": latest_checkpoint(str(out))}
+    resumed = run_command(["bash", "run_fsdp.sh", *flags, "--resume", "--out", str(out)],
+                          env={**env_for_tests(), "NPROC": "4"})
+    return out, left, resumed.stdout
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_every_sharding_mode_matches_one_process_adamw(runs, mode):
-    ref = losses(runs["ref"])
-    assert len(ref) == 30 and ref[-1] < ref[0] * 0.7, "the reference run should learn"
+    ref = losses(runs["adamw"])
+    assert len(ref) == PARITY_STEPS and ref[-1] < ref[0] * 0.7, "the reference run should learn"
     assert max_abs_diff(losses(runs[f"adamw_{mode}"]), ref) <= 1e-4
     run = read_run(runs[f"adamw_{mode}"])
     assert (run["strategy"], run["world_size"], run["config"]["sharding"]) == ("fsdp", 4, mode)
@@ -77,18 +79,37 @@ def test_every_sharding_mode_matches_one_process_adamw(runs, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_every_sharding_mode_matches_one_process_sgd(runs, mode):
-    ref = losses(runs["sgd_ref"])
+    ref = losses(runs["sgd"])
     # the tolerance means something only where the reference itself is stable at that tolerance
-    assert max_abs_diff(losses(runs["sgd_ref_1thread"]), ref) <= 1e-4, "the reference itself must be stable"
+    assert max_abs_diff(losses(runs["sgd_1thread"]), ref) <= 1e-4, "the reference itself must be stable"
     assert max_abs_diff(losses(runs[f"sgd_{mode}"]), ref) <= 1e-4
     assert ref[-1] < ref[0]
 
 
-def test_resume_on_the_same_world_size_continues_bit_identically(runs):
-    full, resumed = losses(runs["adamw_full"]), losses(runs["resumed"])
-    # stopped after step 15 in one launch, resumed in another: bit for bit (the 1e-6 asked for, and more)
-    assert len(resumed) == 30 and resumed == full
-    assert [c.name for c in sorted((runs["resumed"] / "checkpoints").iterdir())] == ["step_0000015", "step_0000030"]
+def test_a_worker_killed_during_a_save_ends_the_job_naming_it(killed):
+    _, left, _ = killed
+    # torchrun stops the other workers and names the one that failed first
+    assert left["returncode"] != 0
+    root_cause = left["output"].split("Root Cause (first observed failure):")[1]
+    assert f"rank      : {left['killed_rank']} (local_rank" in root_cause and "SIGKILL" in root_cause
+
+
+def test_a_kill_during_a_save_leaves_a_loadable_latest(killed):
+    out, left, _ = killed
+    # the interrupted save (after step 20, or 25 if the first was missed) is still a .tmp folder, never
+    # loaded; the latest is the one before it, and it is sound
+    (unfinished,) = left["unfinished"]
+    previous = f"step_{int(unfinished[len('step_'):-len('.tmp')]) - 5:07d}"
+    assert unfinished in ("step_0000020.tmp", "step_0000025.tmp")
+    assert left["latest"] == str(out / "checkpoints" / previous) and verify_checkpoint(left["latest"]) is None
+
+
+def test_resume_on_the_same_world_size_continues_bit_identically(runs, killed):
+    out, left, stdout = killed
+    assert f"resumed from {left['latest']} (step " in stdout
+    # killed during a save, resumed in a new launch: the remaining steps bit for bit (1e-6 asked for)
+    assert losses(out) == losses(runs["adamw_full"])
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{s:07d}" for s in (5, 10, 15, 20, 25, 30)]
 
 
 @pytest.mark.parametrize("world_size", (2, 1))
@@ -158,11 +179,10 @@ def test_model_pt_is_the_trained_model_for_a_plain_babycnn(runs):
     BabyCNN().load_state_dict(torch.load(runs["sgd_full"] / "model.pt", weights_only=True))
 
 
-def test_runner_resumes_and_writes_the_metrics_contract(runs):
-    out = runs["resumed"]
+def test_runner_resumes_and_writes_the_metrics_contract(killed):
+    out, _, _ = killed
     train, evals = read_metrics(out)  # fails on a step logged twice
-    assert sorted(train) == list(range(1, 31))
-    assert [e["step"] for e in evals] == [15, 30]  # the stopped run's final evaluation, then the resumed one's
+    assert sorted(train) == list(range(1, PARITY_STEPS + 1)) and [e["step"] for e in evals] == [PARITY_STEPS]
     for record in train.values():
         assert set(record) == {"kind", "step", "loss", "lr", "samples_per_s", "step_time_s"}
     run = read_run(out)

@@ -3,7 +3,9 @@ whole test set, pipeline x data parallel, checkpoints across strategies, the bub
 bad combinations rejected in one line before anything trains."""
 
 import json
+import re
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -11,8 +13,8 @@ import pytest
 from common.config import PIPELINE_MAX_STAGES, SCHEDULES, parse_config
 from common.model import MAX_STAGES
 from common.pipeline import BALANCED_COST, simulate_bubble, stage_indices, stage_owner
-from tests.helpers import (PARITY, env_for_tests, launch, losses, max_abs_diff, read_metrics, read_run,
-                           run_command)
+from tests.helpers import (PARITY, env_for_tests, kill_a_worker_when, last_logged_step, launch, losses, max_abs_diff,
+                           read_metrics, read_run, rewind, run_command, run_many, start_runner)
 
 # PARITY, cut to what the ~20 trainings of this file can afford: 20 steps of a global batch of 48
 PP_PARITY = [*PARITY, "--max-steps", "20", "--batch-size", "48"]
@@ -33,27 +35,23 @@ DP2 = {
 PART1 = ["--schedule", "interleaved-1f1b", "--stages-per-rank", "2", "--max-steps", "12", "--checkpoint-every", "12"]
 
 
-def run_many(runs: dict[str, list[str]], root, nproc: int = 4, timeout: float = 600) -> None:
-    """All `runs` in one torchrun launch of tests/workers/pippy_runs.py (the real train_pippy.train)."""
-    spec = root / "runs.json"
-    spec.write_text(json.dumps({str(root / name): [*PP_PARITY, *flags] for name, flags in runs.items()}))
-    run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                 "tests/workers/pippy_runs.py", str(spec)], timeout=timeout)
+def run_pipelines(runs: dict[str, list[str]], root) -> subprocess.CompletedProcess:
+    """All `runs` ({name: flags}) in one torchrun launch of 4 processes (tests/workers/runs.py)."""
+    return run_many({root / name: ("pippy", [*PP_PARITY, *flags]) for name, flags in runs.items()}, 4, timeout=600)
 
 
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory):
-    """The 1-process DDP run every pipeline run is compared with, and its checkpoint after 12 steps."""
-    root = tmp_path_factory.mktemp("ref")
-    launch("train_ddp.py", 1, PP_PARITY, root / "ref")
-    launch("train_ddp.py", 1, [*PP_PARITY, "--max-steps", "12", "--checkpoint-every", "12"], root / "ddp12")
-    return root
+    """The 1-process DDP run every pipeline run is compared with (with a checkpoint after step 12)."""
+    out = tmp_path_factory.mktemp("ref") / "ref"
+    launch("train_ddp.py", 1, [*PP_PARITY, "--checkpoint-every", "12"], out)
+    return out
 
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     root = tmp_path_factory.mktemp("matrix")
-    run_many(MATRIX, root)
+    run_pipelines(MATRIX, root)
     return root
 
 
@@ -61,8 +59,9 @@ def matrix(tmp_path_factory):
 def more(tmp_path_factory, ref):
     """--dp 2 runs, the first half of a run to resume, and a pipeline resuming DDP's checkpoint."""
     root = tmp_path_factory.mktemp("more")
-    shutil.copytree(ref / "ddp12", root / "from-ddp")
-    run_many({**DP2, "part1": PART1, "from-ddp": ["--dp", "2", "--resume"]}, root)
+    rewind(ref, root / "from-ddp", 12)  # the 1-process DDP run as it stood after step 12
+    proc = run_pipelines({**DP2, "part1": PART1, "from-ddp": ["--dp", "2", "--resume"]}, root)
+    assert f"resumed from {root / 'from-ddp'}/checkpoints/step_0000012 (step 12)" in proc.stdout
     return root
 
 
@@ -79,12 +78,12 @@ def check_matches_reference(out, ref_out) -> None:
 
 @pytest.mark.parametrize("name", list(MATRIX))
 def test_every_schedule_matches_one_process(name, matrix, ref):
-    check_matches_reference(matrix / name, ref / "ref")
+    check_matches_reference(matrix / name, ref)
 
 
 @pytest.mark.parametrize("name", list(DP2))
 def test_pipeline_replicas_match_one_process(name, more, ref):
-    check_matches_reference(more / name, ref / "ref")
+    check_matches_reference(more / name, ref)
     run = read_run(more / name)
     assert run["config"]["dp"] == 2 and run["pipeline"]["pp_size"] == 2 and run["world_size"] == 4
     evaluated_at = [e["step"] for e in read_metrics(more / name)[1]]
@@ -120,14 +119,16 @@ def test_bubble_is_measured_per_rank_and_set_against_theory(matrix):
             assert theory[f"{name}-m8"] < theory[f"{name}-m4"], name
 
 
-def test_resume_in_a_fresh_launch_through_the_runner(matrix, more, tmp_path):
-    """run_pippy.sh end to end: it resumes the 12-step checkpoint (one rank of which holds no parameters)
-    and continues exactly as the uninterrupted run."""
-    out = tmp_path / "resumed"
-    shutil.copytree(more / "part1", out)
-    proc = run_command(["bash", "run_pippy.sh", *PP_PARITY, "--schedule", "interleaved-1f1b", "--stages-per-rank", "2",
-                        "--resume", "--out", str(out)], env={**env_for_tests(), "NPROC": "4"})
-    assert "resumed from" in proc.stdout and "step 12" in proc.stdout
+def test_a_sigkilled_worker_is_restarted_and_the_run_resumes_exactly(matrix, tmp_path):
+    """run_pippy.sh end to end with MAX_RESTARTS=1: a worker SIGKILLed past the first checkpoint; torchrun
+    restarts the group, whose new workers resume by themselves (one rank holds no parameters: relu1 and
+    pool) and continue exactly as the uninterrupted run, each step logged once."""
+    out = tmp_path / "killed"
+    flags = [*PP_PARITY, "--schedule", "interleaved-1f1b", "--stages-per-rank", "2", "--checkpoint-every", "4"]
+    runner = start_runner("pippy", flags, out, NPROC="4", MAX_RESTARTS="1")
+    _, output = kill_a_worker_when(runner, out, 4, lambda: last_logged_step(out) > 4)
+    assert runner.returncode == 0, output[-4000:]
+    assert re.search(r"resumed from \S+ \(step (4|8|12|16)\)", output), output[-3000:]
     assert max_abs_diff(losses(out), losses(matrix / "interleaved-1f1b-m4")) <= 1e-6
     train, evals = read_metrics(out)
     assert all(set(r) == {"kind", "step", "loss", "lr", "samples_per_s", "step_time_s"} for r in train.values())
@@ -140,12 +141,12 @@ def test_resume_in_a_fresh_launch_through_the_runner(matrix, more, tmp_path):
 
 def test_checkpoints_move_between_ddp_and_the_pipeline(more, ref, tmp_path):
     # DDP's 12-step checkpoint resumed by 2 pipelines x 2 stages (FSDP2-sharded stages)
-    assert max_abs_diff(losses(more / "from-ddp"), losses(ref / "ref")) <= 1e-4
+    assert max_abs_diff(losses(more / "from-ddp"), losses(ref)) <= 1e-4
     # the pipeline's checkpoint (8 stages over 4 ranks) resumed by one DDP process
     out = tmp_path / "ddp-from-pipeline"
     shutil.copytree(more / "part1", out)
     launch("train_ddp.py", 1, [*PP_PARITY, "--resume"], out)
-    assert max_abs_diff(losses(out), losses(ref / "ref")) <= 1e-4
+    assert max_abs_diff(losses(out), losses(ref)) <= 1e-4
 
 
 # --------------------------------------------------------------------------------------------- bad input

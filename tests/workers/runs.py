@@ -1,11 +1,12 @@
 """Run under torchrun: several trainings, one after another, in one set of processes.
 
-    torchrun --standalone --nproc-per-node 4 tests/workers/fsdp_runs.py RUNS.json
+    torchrun --standalone --nproc-per-node 4 tests/workers/runs.py RUNS.json
 
-RUNS.json maps an output folder to [strategy, flags] ("fsdp" or "ddp"). Each run is the real
-`train_<strategy>.train` on the real process group (each builds its own device mesh and shards its own
-model); only the start-up of four Python processes with torch, which costs more than a short run, is
-shared. That is what lets the tests compare every sharding mode with two optimizers within their budget.
+RUNS.json maps an output folder to [strategy, flags] (strategy: ddp, fsdp or pippy). Each run is the real
+`train_<strategy>.train` on the real process group (each builds its own model, device mesh, shards, stages
+and schedule); only the start-up of the processes -- Python, torch and the process group, which costs
+more than a short run -- is shared. That is what lets the tests compare every sharding mode and every
+pipeline schedule with one process within their time budget.
 """
 
 import importlib
