@@ -27,7 +27,7 @@ from common.config import parse_config
 from common.data import GlobalBatchSampler, load_dataset, to_device_batch
 from common.distributed import RankLogger, run, seed_everything, setup_distributed, teardown_distributed
 from common.metrics import MetricsWriter, measure_memory, write_run_json
-from common.model import build_model
+from common.model import blocks, build_model
 from common.training import (build_optimizer, check_finite, describe_run, evaluate, gather_memory,
                              global_mean, lr_at, set_lr, total_steps)
 
@@ -66,6 +66,7 @@ def train(cfg, env) -> None:
     # no longer be comparable. BabyCNN's 1.3M parameters are cheap to build whole.
     model = build_model(seed=cfg.seed, in_channels=data.in_channels, image_size=data.image_size,
                         num_classes=data.num_classes, dropout=cfg.dropout)
+    model_blocks = blocks(model)
     seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
     if cfg.activation_checkpointing:
         # [FSDP] Keep only the model's input for backward and recompute the activations there, at the cost
@@ -93,12 +94,12 @@ def train(cfg, env) -> None:
     shard_options = dict(mesh=mesh, reshard_after_forward=cfg.sharding != "grad-op",
                          mp_policy=bf16 if cfg.precision == "bf16" else MixedPrecisionPolicy(),
                          offload_policy=offload if cfg.cpu_offload else OffloadPolicy())
-    # [FSDP] Shard bottom-up: each layer with parameters becomes one unit, with one all-gather before it runs
-    # and one reduce-scatter of its gradients after its backward, so the full parameters exist a layer at a
-    # time (and the next one, prefetched) instead of all at once. Then the root, which starts each step.
-    for module in list(model.modules()):
-        if any(True for _ in module.parameters(recurse=False)):
-            fully_shard(module, **shard_options)
+    # [FSDP] Shard bottom-up: each block (common/model.py BLOCKS: features, classifier) becomes one unit, with
+    # one all-gather before it runs and one reduce-scatter of its gradients after its backward, so the full
+    # parameters exist a block at a time (and the next one, prefetched) instead of all at once. Then the
+    # root, which starts each step. (A list of modules is one unit; in a transformer, each layer is a block.)
+    for layers in model_blocks.values():
+        fully_shard(layers, **shard_options)
     fully_shard(model, **shard_options)
     optimizer = build_optimizer(model.parameters(), cfg)  # [FSDP] after sharding: it steps the local shards
 

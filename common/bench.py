@@ -1,7 +1,7 @@
 """Benchmark: every strategy against a conventional baseline and against the machine's matmul peak.
 
     python -m common.bench                      # the default suite (~5 min on 2 cores): runs/bench/bench.{json,md}
-    python -m common.bench --all                # + prototypes of the proposed fast paths, compile, repeats (~10 min)
+    python -m common.bench --all                # + every mode on 4 processes, more bf16, compile, repeats (~10 min)
     python -m common.bench --wait-quiet 600     # first wait (up to 600 s) until the 1-min load average is < 1
     python -m common.bench --only ddp,baseline --procs 1,2 --timed-steps 10
     python -m common.bench --quick              # seconds: tiny settings, for the smoke test
@@ -24,9 +24,8 @@ What it does, in this order:
    (polled every 20 ms); each rank's tensor memory (run.json) and peak RSS (/proc VmHWM, polled).
 5. Writes bench.json (everything) and bench.md (the tables the README shows).
 
-Sub-commands used by the launches: `baseline-worker` (the conventional script), `patched-run PATCHES SCRIPT`
-(a training script with fast paths patched into common/: prototypes of changes to files this module does
-not own) and `micro-worker` (one in-process measurement in a fresh process).
+Sub-commands used by the launches: `baseline-worker` (the conventional script) and `micro-worker` (one
+in-process measurement in a fresh process).
 
 Timing on a shared machine is noise: the JSON records the load average before and after, and the
 Markdown says when the machine was not quiet.
@@ -50,6 +49,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+from common.distributed import keep_freed_memory
 
 ROOT = Path(__file__).resolve().parent.parent
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -474,83 +475,6 @@ def baseline_worker(argv: Sequence[str]) -> None:
         dist.destroy_process_group()
 
 
-# ============================================================================ prototypes of fast paths
-def _patch_channels_last() -> None:
-    """Model and image batches in channels_last (NHWC) memory format: oneDNN convolves NHWC directly,
-    without converting activations to its blocked layout and back on every call."""
-    import torch
-
-    import common.data
-    import common.model
-    import common.pipeline
-    import common.training
-
-    build_model, to_device_batch = common.model.build_model, common.data.to_device_batch
-
-    def build_model_cl(**kwargs):
-        return build_model(**kwargs).to(memory_format=torch.channels_last)
-
-    def to_device_batch_cl(*args, **kwargs):
-        images, labels = to_device_batch(*args, **kwargs)
-        return images.contiguous(memory_format=torch.channels_last), labels
-
-    common.model.build_model = build_model_cl
-    for module in (common.data, common.training, common.pipeline):
-        module.to_device_batch = to_device_batch_cl
-
-
-def _patch_fused_adamw() -> None:
-    """AdamW's fused kernel (`fused=True`, CPU and CUDA): one pass over each parameter instead of a dozen
-    elementwise ops, each a pass over memory."""
-    import torch
-
-    import common.training
-
-    build_optimizer = common.training.build_optimizer
-
-    def build_optimizer_fused(params, cfg):
-        if cfg.optimizer != "adamw":
-            return build_optimizer(params, cfg)
-        return torch.optim.AdamW(list(params), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
-
-    common.training.build_optimizer = build_optimizer_fused
-
-
-def keep_freed_memory() -> bool:
-    """Make glibc keep freed memory for reuse instead of handing it back to the kernel (Linux/glibc only).
-
-    By default glibc serves big allocations (a step's activations: 5 to 20 MB each) with mmap and unmaps
-    them when freed, or trims the heap top; every step then page-faults its activations in again as
-    fresh, zeroed pages -- 17 to 56 MiB per step here, 5 to 20 ms of a 50 to 100 ms step, and more or less
-    from one process to the next. A fixed mmap threshold of 32 MiB (glibc's maximum) and a 1 GiB trim
-    threshold keep those pages mapped and reused. Returns False where mallopt is not available."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
-    return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
-
-
-PATCHES = {"channels_last": _patch_channels_last, "fused_adamw": _patch_fused_adamw,
-           "keep_freed_memory": keep_freed_memory}
-
-
-def patched_run(argv: Sequence[str]) -> None:
-    """`patched-run PATCH[,PATCH] SCRIPT [flags]`: run a training script as __main__ with fast paths patched
-    into common/ first -- a prototype of a change to files this benchmark does not own, measured on the
-    real script (under torchrun: `python -m torch.distributed.run ... -m common.bench patched-run ...`)."""
-    import runpy
-
-    patches, script, *flags = argv
-    for name in patches.split(","):
-        PATCHES[name]()
-    sys.argv = [script, *flags]
-    runpy.run_path(str(ROOT / script), run_name="__main__")
-
-
 # ============================================================================ launching the real scripts
 @dataclass
 class RunSpec:
@@ -561,7 +485,6 @@ class RunSpec:
     precision: str = "fp32"
     launcher: str = "torchrun"  # python (1 process), torchrun, run_ddp.sh
     full: bool = False        # the default-length run: its test accuracy counts
-    patches: str = ""         # prototype fast paths (PATCHES), comma-separated
 
     @property
     def script(self) -> str:
@@ -574,8 +497,6 @@ class RunSpec:
             return ["bash", "run_ddp.sh", *args]
         if self.strategy == "baseline":
             target = ["-m", "common.bench", "baseline-worker"]
-        elif self.patches:
-            target = ["-m", "common.bench", "patched-run", self.patches, self.script]
         else:
             target = [self.script]
         if self.nproc == 1 and self.launcher != "torchrun":
@@ -727,7 +648,7 @@ def run_one(spec: RunSpec, *, work: Path, warmup: int, timed: int, batch_size: i
 
 
 def default_plan(procs: Sequence[int], *, modes_procs: int, full_runs: bool, threads_check: bool, bf16: bool,
-                 prototypes: bool = False) -> list[RunSpec]:
+                 more_bf16: bool = False) -> list[RunSpec]:
     """The runs of the benchmark. Scaling (every process count in `procs`) for the baseline, DDP, FSDP (full)
     and the pipeline (1F1B); every other FSDP mode and pipeline schedule on `modes_procs` processes."""
     n = max(procs)
@@ -751,22 +672,9 @@ def default_plan(procs: Sequence[int], *, modes_procs: int, full_runs: bool, thr
         plan.append(RunSpec("ddp", "ddp", 1, precision="bf16", launcher="python"))
         # the default run in bf16, all of it: its test accuracy is an acceptance line
         plan.append(RunSpec("ddp", "ddp", n, precision="bf16", launcher="run_ddp.sh", full=full_runs))
-        if prototypes:
+        if more_bf16:
             plan.append(RunSpec("fsdp full", "fsdp", n, ["--sharding", "full"], precision="bf16"))
             plan.append(RunSpec("pipeline 1f1b", "pippy", n, ["--schedule", "1f1b"], precision="bf16"))
-    if prototypes:  # the proposed changes, on the real scripts
-        proposed = "keep_freed_memory,fused_adamw"
-        for p in (1, n):
-            launcher = "python" if p == 1 else "torchrun"
-            plan.append(RunSpec("ddp + freed memory kept + fused AdamW", "ddp", p, launcher=launcher, patches=proposed))
-            plan.append(RunSpec("ddp + freed memory kept + fused AdamW + channels_last", "ddp", p, precision="bf16",
-                                launcher=launcher, patches=proposed + ",channels_last"))
-        plan.append(RunSpec("fsdp full + freed memory kept + fused AdamW", "fsdp", n, ["--sharding", "full"],
-                            patches=proposed))
-        plan.append(RunSpec("pipeline 1f1b + freed memory kept + fused AdamW", "pippy", n, ["--schedule", "1f1b"],
-                            patches=proposed))
-        # (no channels_last for the pipeline: a cut between the convolutions sends a channels_last activation,
-        # and gloo's send wants a contiguous one; nor for FSDP2, which rejects non-contiguous parameters)
     if threads_check and n > CORES:
         plan.append(RunSpec(f"ddp, {CORES} threads/rank", "ddp", n, ["--threads", str(CORES)]))
     return plan
@@ -821,8 +729,7 @@ def markdown(report: dict[str, Any]) -> str:
             continue
         st = r.get("step_time_s", {})
         name = r["name"] + (" (`run_ddp.sh`" + (", full run)" if r["full"] else ")")
-                               if r["launcher"] == "run_ddp.sh" else "") + (
-            " (prototype)" if r.get("patches") else "")
+                               if r["launcher"] == "run_ddp.sh" else "")
         rss = [v for v in r.get("peak_rss_bytes", []) if v]
         tensors = r.get("tensor_bytes_per_rank") or []
         lines.append(
@@ -896,7 +803,7 @@ def scaling_table(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     table: dict[str, dict[str, float]] = {}
     for r in rows:
         if (r.get("ok") and r["precision"] == "fp32" and r.get("samples_per_s") and "threads" not in r["name"]
-                and not r.get("patches")):
+):
             table.setdefault(r["name"], {})[str(r["nproc"])] = r["samples_per_s"]
     return {k: v for k, v in table.items() if len(v) > 1}
 
@@ -935,9 +842,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     if argv[:1] == ["micro-worker"]:
         micro_worker(argv[1:])
         return
-    if argv[:1] == ["patched-run"]:
-        patched_run(argv[1:])
-        return
     parser = argparse.ArgumentParser(prog="python -m common.bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out", default="runs/bench", help="where bench.json, bench.md and the run folders go")
@@ -953,9 +857,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--no-full-runs", action="store_true", help="run bf16 DDP short too, not the whole default run")
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 launches")
     parser.add_argument("--compile", action="store_true", help="add torch.compile variants to the fast paths (slow to compile)")
-    parser.add_argument("--all", action="store_true", help="also the prototypes of the proposed fast paths on the real "
-                        "scripts, FSDP and pipeline in bf16, every mode and schedule on the most processes, a bf16 "
-                        "profile and --compile (~10 min)")
+    parser.add_argument("--all", action="store_true", help="also FSDP and pipeline in bf16, every mode and schedule "
+                        "on the most processes, 5 launches per 1-process run, a bf16 profile and --compile (~10 min)")
     parser.add_argument("--micro-only", action="store_true", help="only the in-process measurements, no launches")
     parser.add_argument("--no-micro", action="store_true", help="only the launches, no in-process measurements")
     parser.add_argument("--quick", action="store_true", help="tiny settings: a smoke test of the benchmark itself")
@@ -1038,7 +941,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         else:
             plan = default_plan(procs, modes_procs=max(procs) if args.all else args.modes_procs,
                                 full_runs=not args.no_full_runs, threads_check=True, bf16=not args.no_bf16,
-                                prototypes=args.all)
+                                more_bf16=args.all)
         if args.only:
             wanted = set(args.only.split(","))
             plan = [spec for spec in plan if spec.strategy in wanted]

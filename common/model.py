@@ -40,6 +40,18 @@ class BabyCNN(nn.Sequential):
         ]))
 
 
+# BabyCNN's two blocks, by layer name: what FSDP shards as one unit each (one all-gather, one
+# reduce-scatter per block). fc1 holds 93% of the parameters, so sharding layer by layer would gather
+# almost the same peak of full weights while paying 2.5x the collectives.
+BLOCKS = {"features": ("conv1", "relu1", "conv2", "norm", "relu2", "pool"),
+          "classifier": ("flatten", "fc1", "dropout", "relu3", "fc2")}
+
+
+def blocks(model: BabyCNN) -> dict[str, list[nn.Module]]:
+    """The layers of each block of `model` (see BLOCKS)."""
+    return {name: [model._modules[layer] for layer in layers] for name, layers in BLOCKS.items()}
+
+
 def build_model(*, seed: int, in_channels: int, image_size: int, num_classes: int, dropout: float) -> BabyCNN:
     """BabyCNN whose initial weights are a function of `seed` alone: identical on every rank and strategy.
 

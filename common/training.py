@@ -19,7 +19,9 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: Config) -> torch.
     params = list(params)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # fused: one kernel per parameter tensor instead of a dozen elementwise passes over memory (CPU and CUDA;
+    # +4-9 % per step here, python -m common.bench)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
 
 
 def lr_at(step: int, cfg: Config) -> float:
