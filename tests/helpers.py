@@ -28,6 +28,8 @@ PARITY_STEPS = 30
 # at 1e-4 they agree to ~6e-6 over 30 steps (measured here).
 PARITY = [*SMALL, "--dropout", "0", "--max-steps", str(PARITY_STEPS), "--batch-size", "96", "--warmup-steps", "4",
           "--lr", "1e-4"]
+# PARITY, cut to what the ~20 pipeline trainings can afford: 20 steps of a global batch of 48
+PP_PARITY = [*PARITY, "--max-steps", "20", "--batch-size", "48"]
 # SGD (momentum 0.9) at a learning rate where the 1-process run is itself stable across thread counts:
 # at 0.02 the loss spikes and 4-rank runs drift 2e-4 from it within 24 steps; at 0.005 1- vs 2-thread runs
 # agree to ~3e-5 and 4 ranks to ~2e-6 (measured here).
@@ -101,12 +103,12 @@ def rewind(src: Path, dst: Path, step: int) -> Path:
 
 def run_many(runs: dict[Path, tuple[str, list[str]]], nproc: int, *,
              timeout: float = 2 * LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """Several trainings {out: (strategy, flags)} one after another in ONE torchrun launch of nproc
-    processes (tests/workers/runs.py runs the real train_<strategy>.train for each)."""
+    """Several trainings {out: (strategy, flags)} one after another in ONE launch of nproc processes (torchrun;
+    plain python for one): tests/workers/runs.py runs the real train_<strategy>.train for each."""
     spec = Path(tempfile.mkstemp(suffix=".json", prefix="runs-", dir=next(iter(runs)).parent)[1])
     spec.write_text(json.dumps({str(out): [strategy, flags] for out, (strategy, flags) in runs.items()}))
-    return run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                        "tests/workers/runs.py", str(spec)], timeout=timeout)
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
+    return run_command([sys.executable, *launcher, "tests/workers/runs.py", str(spec)], timeout=timeout)
 
 
 # ------------------------------------------------------------------------------------ killing a worker

@@ -13,11 +13,9 @@ import pytest
 from common.config import PIPELINE_MAX_STAGES, SCHEDULES, parse_config
 from common.model import MAX_STAGES
 from common.pipeline import BALANCED_COST, simulate_bubble, stage_indices, stage_owner
-from tests.helpers import (PARITY, env_for_tests, kill_a_worker_when, last_logged_step, launch, losses, max_abs_diff,
+from tests.helpers import (PP_PARITY, env_for_tests, kill_a_worker_when, last_logged_step, launch, losses, max_abs_diff,
                            read_metrics, read_run, rewind, run_command, run_many, start_runner)
 
-# PARITY, cut to what the ~20 trainings of this file can afford: 20 steps of a global batch of 48
-PP_PARITY = [*PARITY, "--max-steps", "20", "--batch-size", "48"]
 STEPS = 20
 # Every schedule the README lists as working, with the stages per rank it runs.
 STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "looped-bfs": 2, "interleaved-zb": 2, "zbv": 2,
@@ -41,11 +39,9 @@ def run_pipelines(runs: dict[str, list[str]], root) -> subprocess.CompletedProce
 
 
 @pytest.fixture(scope="module")
-def ref(tmp_path_factory):
-    """The 1-process DDP run every pipeline run is compared with (with a checkpoint after step 12)."""
-    out = tmp_path_factory.mktemp("ref") / "ref"
-    launch("train_ddp.py", 1, [*PP_PARITY, "--checkpoint-every", "12"], out)
-    return out
+def ref(references):
+    """The 1-process run every pipeline run is compared with (with a checkpoint after step 12)."""
+    return references["pipeline"]
 
 
 @pytest.fixture(scope="module")

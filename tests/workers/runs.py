@@ -1,6 +1,7 @@
-"""Run under torchrun: several trainings, one after another, in one set of processes.
+"""Several trainings, one after another, in one set of processes.
 
     torchrun --standalone --nproc-per-node 4 tests/workers/runs.py RUNS.json
+    python tests/workers/runs.py RUNS.json                     # one process, as `python train_ddp.py` runs
 
 RUNS.json maps an output folder to [strategy, flags] (strategy: ddp, fsdp or pippy). Each run is the real
 `train_<strategy>.train` on the real process group (each builds its own model, device mesh, shards, stages
@@ -13,6 +14,8 @@ import importlib
 import json
 import sys
 
+import torch
+
 from common.config import parse_config
 from common.distributed import setup_distributed, teardown_distributed
 
@@ -21,9 +24,11 @@ def main() -> None:
     with open(sys.argv[1]) as f:
         runs = json.load(f)
     env = setup_distributed(timeout_s=120)
+    default_threads = torch.get_num_threads()
     try:
         for out, (strategy, flags) in runs.items():
             cfg = parse_config(strategy, [*flags, "--out", out], world_size=env.world_size)
+            torch.set_num_threads(cfg.threads or default_threads)  # what setup_distributed does with --threads
             importlib.import_module(f"train_{strategy}").train(cfg, env)
     finally:
         teardown_distributed()
