@@ -4,6 +4,7 @@
 #   bash run_all.sh --dropout 0 --max-steps 100
 #   OUT=runs/bf16 bash run_all.sh --precision bf16
 # NPROC (default 4) processes for each strategy; the reference is `python train_ddp.py` on one process.
+# Every run evaluates every 20 steps (for the accuracy panel) unless you pass --eval-every yourself.
 set -euo pipefail
 source "$(dirname "$0")/common/launch.sh"
 OUT=${OUT:-runs/compare}
@@ -13,6 +14,7 @@ for arg in "$@"; do
     exit 2
   fi
 done
+set -- --eval-every 20 "$@"  # first, so that a --eval-every of yours comes later and wins
 preflight ddp "$@"  # the shared flags, checked once before anything runs
 
 echo "== 1-process reference -> $OUT/ref"

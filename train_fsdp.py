@@ -6,7 +6,7 @@
     bash run_fsdp.sh --sharding hybrid --precision bf16       # HSDP with bf16 compute (see --help)
 
 FSDP keeps on each rank only a shard of every parameter, of its gradient and of its optimizer state. Before
-a layer runs, its shards are all-gathered into the full parameters; after its backward, the gradients are
+a block runs, its shards are all-gathered into the full parameters; after its backward, the gradients are
 reduce-scattered, so each rank holds the averaged gradient of its own shard and steps the optimizer on that
 shard alone. `--sharding` decides over which ranks (full, grad-op, hybrid, none: see the README). Lines
 specific to FSDP are marked `# [FSDP]`.
@@ -66,7 +66,7 @@ def train(cfg, env) -> None:
     # no longer be comparable. BabyCNN's 1.3M parameters are cheap to build whole.
     model = build_model(seed=cfg.seed, in_channels=data.in_channels, image_size=data.image_size,
                         num_classes=data.num_classes, dropout=cfg.dropout)
-    model_blocks = blocks(model)
+    model_blocks = blocks(model)  # the units to shard, taken before a checkpoint wrapper hides the layers
     seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
     if cfg.activation_checkpointing:
         # [FSDP] Keep only the model's input for backward and recompute the activations there, at the cost

@@ -148,6 +148,11 @@ def shard_range(n: int, rank: int, world_size: int) -> range:
     return range(n * rank // world_size, n * (rank + 1) // world_size)
 
 
+def longest_shard(n: int, world_size: int) -> int:
+    """The size of the largest shard_range of n items (rank 0's is the smallest)."""
+    return -(-n // world_size)
+
+
 # ----------------------------------------------------------------------------- built-in digits
 def _arc(cx: float, cy: float, rx: float, ry: float, start_deg: float, end_deg: float, n: int = 12):
     """Points on an elliptical arc; y grows downwards, angle 0 is to the right, -90 is up."""

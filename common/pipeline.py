@@ -22,7 +22,7 @@ from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, Sched
                                           ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble)
 
 from common.config import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
-from common.data import DataSet, Split, shard_range, to_device_batch
+from common.data import DataSet, Split, longest_shard, shard_range, to_device_batch
 
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,                          # all forwards, then all backwards (fill, drain)
@@ -239,7 +239,7 @@ def evaluate_pipeline(forward: Callable[[torch.Tensor, torch.Tensor], torch.Tens
     last stage and None elsewhere; sums are reduced over all ranks, so every rank gets the result.
     """
     shard = shard_range(len(split), replica, dp)
-    longest = len(shard_range(len(split), 0, dp))  # every replica runs as many batches as the longest shard
+    longest = longest_shard(len(split), dp)  # every replica runs as many batches as the longest shard needs
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, hits, count
     for start in range(0, max(longest, 1), batch_size):
         indices = torch.arange(shard.start + start, min(shard.start + start + batch_size, shard.stop))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from common.config import SCHEDULES, Config, ConfigError, build_parser, parse_config
-from common.data import GlobalBatchSampler, make_digits, shard_range
+from common.data import GlobalBatchSampler, longest_shard, make_digits, shard_range
 from common.model import MAX_STAGES, STAGE_STARTS, BabyCNN, build_model, split_model
 
 
@@ -84,10 +84,11 @@ def test_sampler_reports_samples_left_out_per_epoch():
 
 
 def test_shard_range_balances_and_covers():
-    for n, world in [(10, 3), (2000, 4), (3, 4)]:
+    for n, world in [(10, 3), (2000, 4), (2001, 4), (3, 4), (0, 2)]:
         shards = [shard_range(n, r, world) for r in range(world)]
         assert [i for s in shards for i in s] == list(range(n))
         assert max(map(len, shards)) - min(map(len, shards)) <= 1
+        assert max(map(len, shards)) == longest_shard(n, world)
 
 
 # ---------------------------------------------------------------------------------------------- data

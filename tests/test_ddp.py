@@ -24,7 +24,8 @@ def runs(tmp_path_factory, references):
     out.update(references)
     # two trainings in one launch of 4 processes (tests/workers/runs.py): start-up costs more than a run
     run_many({out["ddp4"]: ("ddp", PARITY),
-              out["sgd4"]: ("ddp", [*PARITY, *SGD, "--checkpoint-every", "6", "--keep", "2"])}, 4)
+              # 2001 test images: shards of 500, 500, 500 and 501, so the last rank needs one batch more
+              out["sgd4"]: ("ddp", [*PARITY, *SGD, "--checkpoint-every", "6", "--keep", "2", "--test-size", "2001"])}, 4)
     launch("train_ddp.py", 3, [*PARITY, "--grad-accum-steps", "2"], out["ddp3_accum"])
     run_command(["bash", "run_ddp.sh", *PARITY, *TEN, "--out", str(out["runner2"])], env={**env_for_tests(), "NPROC": "2"})
     # the runner's run as it stood after step 10, resumed in a new launch up to step 30
@@ -70,6 +71,12 @@ def test_evaluation_covers_the_whole_test_set_the_same_way_at_any_world_size(run
     # 256 test images: the same predictions give the same count of hits, whatever the sharding
     assert len({round(a * 256) for a in accuracies.values()}) == 1, accuracies
     assert all(round(a * 256) == a * 256 for a in accuracies.values())
+
+
+def test_evaluation_counts_every_image_when_the_shards_differ(runs):
+    (evaluation,) = read_metrics(runs["sgd4"])[1]
+    hits = evaluation["test_accuracy"] * 2001  # a whole number only if all 2001 images were counted
+    assert hits == pytest.approx(round(hits), abs=1e-6) and 0 < hits < 2001
 
 
 def test_resume_continues_exactly(runs):
