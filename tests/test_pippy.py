@@ -45,18 +45,13 @@ def ref(references):
 
 
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory):
-    root = tmp_path_factory.mktemp("matrix")
-    run_pipelines(MATRIX, root)
-    return root
-
-
-@pytest.fixture(scope="module")
-def more(tmp_path_factory, ref):
-    """--dp 2 runs, the first half of a run to resume, and a pipeline resuming DDP's checkpoint."""
-    root = tmp_path_factory.mktemp("more")
+def pipelines(tmp_path_factory, ref):
+    """Every 4-rank pipeline training the tests compare, in one launch: each schedule at 4 and 8
+    micro-batches, the --dp 2 runs, the first half of a run to resume, and a pipeline resuming DDP's
+    checkpoint."""
+    root = tmp_path_factory.mktemp("pipelines")
     rewind(ref, root / "from-ddp", 12)  # the 1-process DDP run as it stood after step 12
-    proc = run_pipelines({**DP2, "part1": PART1, "from-ddp": ["--dp", "2", "--resume"]}, root)
+    proc = run_pipelines({**MATRIX, **DP2, "part1": PART1, "from-ddp": ["--dp", "2", "--resume"]}, root)
     assert f"resumed from {root / 'from-ddp'}/checkpoints/step_0000012 (step 12)" in proc.stdout
     return root
 
@@ -73,31 +68,31 @@ def check_matches_reference(out, ref_out) -> None:
 
 
 @pytest.mark.parametrize("name", list(MATRIX))
-def test_every_schedule_matches_one_process(name, matrix, ref):
-    check_matches_reference(matrix / name, ref)
+def test_every_schedule_matches_one_process(name, pipelines, ref):
+    check_matches_reference(pipelines / name, ref)
 
 
 @pytest.mark.parametrize("name", list(DP2))
-def test_pipeline_replicas_match_one_process(name, more, ref):
-    check_matches_reference(more / name, ref)
-    run = read_run(more / name)
+def test_pipeline_replicas_match_one_process(name, pipelines, ref):
+    check_matches_reference(pipelines / name, ref)
+    run = read_run(pipelines / name)
     assert run["config"]["dp"] == 2 and run["pipeline"]["pp_size"] == 2 and run["world_size"] == 4
-    evaluated_at = [e["step"] for e in read_metrics(more / name)[1]]
+    evaluated_at = [e["step"] for e in read_metrics(pipelines / name)[1]]
     assert evaluated_at == ([10, STEPS] if "--eval-every" in DP2[name] else [STEPS])
 
 
-def test_the_rank_with_the_last_stage_logs_and_evaluation_method_is_recorded(matrix, more):
+def test_the_rank_with_the_last_stage_logs_and_evaluation_method_is_recorded(pipelines):
     expected = {"1f1b-m4": (3, "schedule.eval()"), "interleaved-zb-m4": (3, "schedule.eval()"),
                 "zbv-m4": (0, "stage by stage (send/recv)"), "dualpipev-m8": (0, "stage by stage (send/recv)")}
     for name, (rank, evaluation) in expected.items():
-        pipeline = read_run(matrix / name)["pipeline"]
+        pipeline = read_run(pipelines / name)["pipeline"]
         assert (pipeline["logging_rank"], pipeline["evaluation"]) == (rank, evaluation), name
-    assert read_run(more / "dp2-1f1b-m4")["pipeline"]["logging_rank"] == 1  # replica 0 = ranks 0 and 1
+    assert read_run(pipelines / "dp2-1f1b-m4")["pipeline"]["logging_rank"] == 1  # replica 0 = ranks 0 and 1
 
 
-def test_bubble_is_measured_per_rank_and_set_against_theory(matrix):
+def test_bubble_is_measured_per_rank_and_set_against_theory(pipelines):
     for m in (4, 8):
-        out = matrix / f"gpipe-m{m}"
+        out = pipelines / f"gpipe-m{m}"
         bubble = read_run(out)["pipeline"]["bubble"]
         assert bubble["formula"] == "(p-1)/(m+p-1)" and bubble["formula_value"] == pytest.approx(3 / (m + 3))
         assert bubble["theory"] == pytest.approx(3 / (m + 3))  # the executed order, simulated, agrees
@@ -109,13 +104,13 @@ def test_bubble_is_measured_per_rank_and_set_against_theory(matrix):
         assert [r["step"] for r in lines] == list(range(1, STEPS + 1))
         assert all(len(r["busy_s"]) == len(r["idle_s"]) == 4 and min(r["busy_s"]) > 0 for r in lines)
     # more micro-batches, smaller bubble (in theory)
-    theory = {name: read_run(matrix / name)["pipeline"]["bubble"]["theory"] for name in MATRIX}
+    theory = {name: read_run(pipelines / name)["pipeline"]["bubble"]["theory"] for name in MATRIX}
     for name in STAGES_PER_RANK:
         if name != "dualpipev":
             assert theory[f"{name}-m8"] < theory[f"{name}-m4"], name
 
 
-def test_a_sigkilled_worker_is_restarted_and_the_run_resumes_exactly(matrix, tmp_path):
+def test_a_sigkilled_worker_is_restarted_and_the_run_resumes_exactly(pipelines, tmp_path):
     """run_pippy.sh end to end with MAX_RESTARTS=1: a worker SIGKILLed past the first checkpoint; torchrun
     restarts the group, whose new workers resume by themselves (one rank holds no parameters: relu1 and
     pool) and continue exactly as the uninterrupted run, each step logged once."""
@@ -125,7 +120,7 @@ def test_a_sigkilled_worker_is_restarted_and_the_run_resumes_exactly(matrix, tmp
     _, output = kill_a_worker_when(runner, out, 4, lambda: last_logged_step(out) > 4)
     assert runner.returncode == 0, output[-4000:]
     assert re.search(r"resumed from \S+ \(step (4|8|12|16)\)", output), output[-3000:]
-    assert max_abs_diff(losses(out), losses(matrix / "interleaved-1f1b-m4")) <= 1e-6
+    assert max_abs_diff(losses(out), losses(pipelines / "interleaved-1f1b-m4")) <= 1e-6
     train, evals = read_metrics(out)
     assert all(set(r) == {"kind", "step", "loss", "lr", "samples_per_s", "step_time_s"} for r in train.values())
     run = read_run(out)
@@ -135,12 +130,12 @@ def test_a_sigkilled_worker_is_restarted_and_the_run_resumes_exactly(matrix, tmp
     assert run["memory"]["per_rank"][1]["param_bytes"] == 0  # relu1 and pool
 
 
-def test_checkpoints_move_between_ddp_and_the_pipeline(more, ref, tmp_path):
+def test_checkpoints_move_between_ddp_and_the_pipeline(pipelines, ref, tmp_path):
     # DDP's 12-step checkpoint resumed by 2 pipelines x 2 stages (FSDP2-sharded stages)
-    assert max_abs_diff(losses(more / "from-ddp"), losses(ref)) <= 1e-4
+    assert max_abs_diff(losses(pipelines / "from-ddp"), losses(ref)) <= 1e-4
     # the pipeline's checkpoint (8 stages over 4 ranks) resumed by one DDP process
     out = tmp_path / "ddp-from-pipeline"
-    shutil.copytree(more / "part1", out)
+    shutil.copytree(pipelines / "part1", out)
     launch("train_ddp.py", 1, [*PP_PARITY, "--resume"], out)
     assert max_abs_diff(losses(out), losses(ref)) <= 1e-4
 
