@@ -24,15 +24,15 @@ PARITY_STEPS = 30
 # which the 1-process run is itself stable. AdamW divides each gradient element by its own running RMS, so
 # elements whose gradient is mostly rounding noise (LayerNorm's per-position bias at rarely active
 # positions) turn ~1e-7 summation-order differences into visible weight differences, which then grow from
-# step to step: at --lr 2e-3 even 1- and 2-thread single-process runs drift apart by ~6e-3 within 24 steps;
-# at 1e-4 they agree to ~6e-6 over 30 steps (measured here).
+# step to step: at --lr 2e-3 even 1- and 2-thread single-process runs drift apart (past 1e-4 by step 50,
+# ~6e-3 within 100 steps); at 1e-4, over 30 steps, 1, 2, 3 and 4 ranks agree to ~1e-6 (measured here).
 PARITY = [*SMALL, "--dropout", "0", "--max-steps", str(PARITY_STEPS), "--batch-size", "96", "--warmup-steps", "4",
           "--lr", "1e-4"]
 # PARITY, cut to what the ~20 pipeline trainings can afford: 20 steps of a global batch of 48
 PP_PARITY = [*PARITY, "--max-steps", "20", "--batch-size", "48"]
 # SGD (momentum 0.9) at a learning rate where the 1-process run is itself stable across thread counts:
-# at 0.02 the loss spikes and 4-rank runs drift 2e-4 from it within 24 steps; at 0.005 1- vs 2-thread runs
-# agree to ~3e-5 and 4 ranks to ~2e-6 (measured here).
+# at 0.02 the loss spikes and 4-rank runs drift 2e-4 from it within 24 steps; at 0.005, over 30 steps, 1- vs
+# 2-thread runs agree to ~2e-6 and 4 ranks to ~3e-5 (measured here).
 SGD = ["--optimizer", "sgd", "--lr", "0.005"]
 
 
