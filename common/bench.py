@@ -50,8 +50,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from common.distributed import keep_freed_memory
-
 ROOT = Path(__file__).resolve().parent.parent
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 SCHEDULE_FLAGS = {  # the pipeline schedules and the flags each needs (stages per rank)
@@ -356,6 +354,8 @@ def micro_worker(argv: Sequence[str]) -> None:
     (the allocator's state is part of what is measured: the benchmark's own big matmuls would change it)."""
     name, kwargs, *options = argv
     if "keep_freed_memory" in options:
+        from common.distributed import keep_freed_memory  # what setup_distributed does in the scripts
+
         keep_freed_memory()
     result = MICRO[name](**json.loads(kwargs))
     print("MICRO-RESULT " + json.dumps(result))
@@ -802,8 +802,7 @@ def markdown(report: dict[str, Any]) -> str:
 def scaling_table(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     table: dict[str, dict[str, float]] = {}
     for r in rows:
-        if (r.get("ok") and r["precision"] == "fp32" and r.get("samples_per_s") and "threads" not in r["name"]
-):
+        if r.get("ok") and r["precision"] == "fp32" and r.get("samples_per_s") and "threads" not in r["name"]:
             table.setdefault(r["name"], {})[str(r["nproc"])] = r["samples_per_s"]
     return {k: v for k, v in table.items() if len(v) > 1}
 

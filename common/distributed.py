@@ -82,9 +82,8 @@ def keep_freed_memory() -> bool:
     and unmaps them when freed, or trims the heap top; every step then page-faults its activations in again
     as fresh, zeroed pages: up to 26,000 page faults per step on this project's 2-core reference machine,
     a third of an fp32 step, and more or less from one launch to the next (python -m common.bench measures
-    it). A fixed mmap threshold of
-    32 MiB (glibc's maximum) and a 1 GiB trim threshold keep those pages mapped and reused. Returns False
-    where mallopt is not available (macOS, musl): nothing changes there."""
+    it). A fixed mmap threshold of 32 MiB (glibc's maximum) and a 1 GiB trim threshold keep those pages
+    mapped and reused. Returns False where mallopt is not available (macOS, musl): nothing changes there."""
     import ctypes
 
     try:

@@ -51,8 +51,8 @@ def runs(tmp_path_factory, references):
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
-    """run_fsdp.sh on 4 ranks, a checkpoint every 5 steps, one worker SIGKILLed in the middle of the save
-    after step 20 (MAX_RESTARTS=0: the job ends); what it left on disk; then the same command with --resume."""
+    """run_fsdp.sh on 4 ranks, a checkpoint every 5 steps, one worker SIGKILLed in the middle of the
+    first save after step 15 (MAX_RESTARTS=0: the job ends); what it left on disk; then the same command with --resume."""
     out = tmp_path_factory.mktemp("killed") / "run"
     flags = [*PARITY, "--checkpoint-every", "5"]
     runner = start_runner("fsdp", flags, out, NPROC="4")
