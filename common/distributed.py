@@ -94,14 +94,33 @@ def keep_freed_memory() -> bool:
     return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
 
 
+_LAST_MEETING: list[object] = []  # teardown_distributed's collective, kept until the process exits
+
+
 def teardown_distributed() -> None:
-    """Leave the process group; call it in `finally`. After a clean run all ranks first meet at a barrier,
-    so no rank tears down its communicator while another still uses it (with gloo that can abort a
-    finished run). After an error there is no barrier: the other ranks may never reach it."""
+    """Leave the process group; call it in `finally`. After a clean run all ranks first meet, so no rank
+    tears down its communicator while another still uses it (with gloo that can abort a finished run).
+    After an error they don't: the other ranks may never get there.
+
+    The meeting is an all-reduce whose handle this process keeps until it exits, not `dist.barrier()`.
+    gloo runs collectives on threads of its own, and the thread that finishes one lets go of it a moment
+    after the caller's wait() returned. If that is the last reference to a Python tensor, the thread needs
+    the GIL to let go; when Python is already shutting down by then, the thread is killed and the process
+    aborts after a finished run ("terminate called without an active exception"). A barrier makes this
+    likely: it holds on to the collectives that were finishing when it started (the last all-gather, say)
+    until its own release. Holding the handle makes this process, not gloo's thread, release the last
+    collective, with the GIL. It matters where the process group outlives destroy_process_group, as
+    FSDP's does (DTensor's caches keep its DeviceMesh, and the mesh its groups, until the interpreter
+    exits); elsewhere destroy_process_group joins gloo's threads."""
     if not dist.is_initialized():
         return
     if sys.exc_info()[1] is None:  # inside `finally`: None unless an exception is on its way out
-        dist.barrier()
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+        meeting = torch.ones(1, device=device)
+        work = dist.all_reduce(meeting, async_op=True)
+        _LAST_MEETING.append(work)
+        work.wait()
+        meeting.item()  # waits on the host, also for NCCL, whose wait() only orders the GPU stream
     dist.destroy_process_group()
 
 
