@@ -82,8 +82,9 @@ def train(cfg, env) -> None:
     mesh = (init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("shard",)) if replicas == 1 else
             init_device_mesh(env.device.type, (replicas, env.world_size // replicas),
                              mesh_dim_names=("replicate", "shard")))
-    # [FSDP] reshard_after_forward: free the gathered parameters after a layer's forward and gather them again
+    # [FSDP] reshard_after_forward: free a unit's gathered parameters after its forward and gather them again
     # for its backward (full, ZeRO-3), or keep them until then (grad-op, ZeRO-2: more memory, fewer gathers).
+    # None is FSDP's own default: True for every unit but the root, whose backward comes right after forward.
     # bf16: the gathered parameters are cast to bf16 for compute, the fp32 shards stay what the optimizer
     # updates, gradients are reduced in fp32 (a sum of many bf16 numbers loses digits), and the output comes
     # back as fp32 for the loss; this replaces DDP's autocast. CPU offload: shards, gradients and optimizer
@@ -91,15 +92,22 @@ def train(cfg, env) -> None:
     # GPU) exists only with a GPU.
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
-    shard_options = dict(mesh=mesh, reshard_after_forward=cfg.sharding != "grad-op",
+    shard_options = dict(mesh=mesh, reshard_after_forward=False if cfg.sharding == "grad-op" else None,
                          mp_policy=bf16 if cfg.precision == "bf16" else MixedPrecisionPolicy(),
                          offload_policy=offload if cfg.cpu_offload else OffloadPolicy())
-    # [FSDP] Shard bottom-up: each block (common/model.py BLOCKS: features, classifier) becomes one unit, with
-    # one all-gather before it runs and one reduce-scatter of its gradients after its backward, so the full
-    # parameters exist a block at a time (and the next one, prefetched) instead of all at once. Then the
-    # root, which starts each step. (A list of modules is one unit; in a transformer, each layer is a block.)
-    for layers in model_blocks.values():
-        fully_shard(layers, **shard_options)
+    # [FSDP] The units: each fully_shard call makes one, with one all-gather of its parameters before it runs
+    # and one reduce-scatter of its gradients after its backward. --shard-units model (default): the root
+    # alone, one unit for BabyCNN's 1.3M parameters (FSDP1's size-based wrap policy leaves modules under
+    # 100M parameters to their parent): the fewest collectives, one all-gather and one reduce-scatter per step.
+    # --shard-units blocks: bottom-up, each block (common/model.py BLOCKS: features, classifier) first, then
+    # the root, so the full parameters exist a block at a time: the pattern of a model too big to gather
+    # whole (in a transformer, each layer is a block; a list of modules is one unit). The last block keeps
+    # its parameters from forward to its backward, which comes right after: one all-gather fewer per step.
+    if cfg.shard_units == "blocks":
+        *first, last = model_blocks.values()
+        for layers in first:
+            fully_shard(layers, **shard_options)
+        fully_shard(last, **{**shard_options, "reshard_after_forward": False})
     fully_shard(model, **shard_options)
     optimizer = build_optimizer(model.parameters(), cfg)  # [FSDP] after sharding: it steps the local shards
 

@@ -25,6 +25,7 @@ OPTIMIZERS = ("sgd", "adamw")
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 SHARDINGS = ("full", "grad-op", "hybrid", "none")
+SHARD_UNITS = ("model", "blocks")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # exactly one stage per rank
 V_SCHEDULES = ("zbv", "dualpipev")          # exactly two stages per rank, placed in a V
@@ -77,6 +78,9 @@ class Config:
     # --- FSDP ---
     sharding: str = "full"
     """FSDP sharding: full (ZeRO-3), grad-op (ZeRO-2), hybrid (HSDP, 2-D mesh) or none (replicate, like DDP)."""
+    shard_units: str = "model"
+    """FSDP: what each all-gather gathers: the model (one unit: fewest collectives) or blocks (one unit per
+    block: the full weights exist a block at a time, the pattern for models too big to gather at once)."""
     cpu_offload: bool = False
     """FSDP: keep sharded parameters, gradients and optimizer state in CPU memory (for GPU runs)."""
     activation_checkpointing: bool = False
@@ -128,6 +132,8 @@ class Config:
         need(self.precision in PRECISIONS, "precision", f"unknown precision {self.precision!r}; choose fp32 or bf16")
         need(self.device in DEVICES, "device", f"unknown device {self.device!r}; choose auto, cpu or cuda")
         need(self.sharding in SHARDINGS, "sharding", f"unknown mode {self.sharding!r}; choose one of {', '.join(SHARDINGS)}")
+        need(self.shard_units in SHARD_UNITS, "shard-units",
+             f"unknown unit {self.shard_units!r}; choose one of {', '.join(SHARD_UNITS)}")
         need(self.schedule in SCHEDULES, "schedule", f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
         need(self.train_size >= 1, "train-size", f"must be at least 1, got {self.train_size}")
         need(self.test_size >= 1, "test-size", f"must be at least 1, got {self.test_size}")
@@ -227,6 +233,7 @@ def batch_larger_than_data(batch_size: int, n_samples: int) -> str:
 # Flags that exist only in some scripts; all other fields are flags of every script.
 STRATEGY_FLAGS = {
     "sharding": ("fsdp",),
+    "shard_units": ("fsdp",),
     "cpu_offload": ("fsdp",),
     "activation_checkpointing": ("fsdp",),
     "schedule": ("pippy",),

@@ -16,9 +16,9 @@ MODES = ("full", "grad-op", "hybrid", "none")
 SHARDS_ON_4 = {"full": 4, "grad-op": 4, "hybrid": 2, "none": 1}  # ranks one parameter is split over
 # The SGD runs also carry one option each that must not change the numbers: activation checkpointing
 # (recompute), CPU offload (the optimizer steps on CPU copies), accumulation (HSDP skips the reduce-scatter
-# and the all-reduce on the inner micro-step).
+# and the all-reduce on the inner micro-step) with one FSDP unit per block.
 SGD_EXTRA = {"full": ["--activation-checkpointing"], "grad-op": ["--cpu-offload"],
-             "hybrid": ["--grad-accum-steps", "2"], "none": []}
+             "hybrid": ["--grad-accum-steps", "2", "--shard-units", "blocks"], "none": []}
 # 30 AdamW steps with a checkpoint every 15: parity over 30 steps, and the step-15 checkpoint to resume from
 LONG = [*PARITY, "--checkpoint-every", "15"]
 # the other runs compare only their losses: the 20 steps the parity asks for
@@ -33,7 +33,8 @@ def runs(tmp_path_factory, references):
     references are shared with test_ddp.py."""
     root = tmp_path_factory.mktemp("fsdp")
     on_4_ranks = {"ddp4": ("ddp", [*PARITY, "--max-steps", "2"]),  # only for its memory record
-                  "bf16": ("fsdp", [*SMALL, "--batch-size", "96", "--precision", "bf16", "--sharding", "grad-op"])}
+                  "bf16": ("fsdp", [*SMALL, "--batch-size", "96", "--precision", "bf16", "--sharding", "grad-op"]),
+                  "adamw_blocks": ("fsdp", [*PARITY, *TWENTY, "--shard-units", "blocks"])}
     for mode in MODES:
         on_4_ranks[f"adamw_{mode}"] = ("fsdp", [*LONG, "--sharding", mode, *([] if mode == "full" else TWENTY)])
         on_4_ranks[f"sgd_{mode}"] = ("fsdp", [*PARITY, *TWENTY, *SGD, "--sharding", mode, *SGD_EXTRA[mode]])
@@ -79,6 +80,15 @@ def test_every_sharding_mode_matches_one_process_adamw(runs, mode):
     run = read_run(runs[f"adamw_{mode}"])
     assert (run["strategy"], run["world_size"], run["config"]["sharding"]) == ("fsdp", 4, mode)
     assert run["mesh"]["shard"] == SHARDS_ON_4[mode] and run["mesh"].get("replicate", 1) == 4 // SHARDS_ON_4[mode]
+
+
+def test_one_unit_per_block_matches_one_process(runs):
+    # --shard-units blocks: features and classifier each gathered on their own, the classifier kept from
+    # forward to backward; the same numbers as one process
+    run_losses = losses(runs["adamw_blocks"])
+    assert len(run_losses) == 20 and max_abs_diff(run_losses, losses(runs["adamw"])[:20]) <= 1e-4
+    assert read_run(runs["adamw_blocks"])["config"]["shard_units"] == "blocks"
+    assert read_run(runs["adamw_full"])["config"]["shard_units"] == "model"
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -199,6 +209,7 @@ def test_runner_resumes_and_writes_the_metrics_contract(killed):
 
 @pytest.mark.parametrize("flags,env,named", [
     (["--sharding", "zero3"], {}, "--sharding"),
+    (["--shard-units", "layers"], {}, "--shard-units"),
     (["--sharding", "hybrid", "--batch-size", "96"], {"NPROC": "3"}, "--sharding"),  # hybrid needs an even world
 ])
 def test_runner_rejects_bad_input_with_one_line(flags, env, named, tmp_path):
