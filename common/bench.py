@@ -658,6 +658,8 @@ def default_plan(procs: Sequence[int], *, modes_procs: int, full_runs: bool, thr
         plan.append(RunSpec("baseline", "baseline", p, launcher=launcher))
         # at the largest count, as a user starts it (bash run_ddp.sh): its launch time is an acceptance line
         plan.append(RunSpec("ddp", "ddp", p, launcher="run_ddp.sh" if p == n and p > 1 else launcher))
+        if bf16 and p == 1:  # right after its fp32 twin: the bf16 speed-up is a ratio of neighbours
+            plan.append(RunSpec("ddp", "ddp", 1, precision="bf16", launcher="python"))
         plan.append(RunSpec("fsdp full", "fsdp", p, ["--sharding", "full"], launcher=launcher))
         if p > 1:  # a pipeline needs at least two ranks to be one
             plan.append(RunSpec("pipeline 1f1b", "pippy", p, ["--schedule", "1f1b"]))
@@ -665,11 +667,11 @@ def default_plan(procs: Sequence[int], *, modes_procs: int, full_runs: bool, thr
     for sharding in SHARDINGS[1:]:
         if sharding != "hybrid" or m % 2 == 0:
             plan.append(RunSpec(f"fsdp {sharding}", "fsdp", m, ["--sharding", sharding]))
+    plan.append(RunSpec("fsdp full, a unit per block", "fsdp", m, ["--sharding", "full", "--shard-units", "blocks"]))
     for schedule, flags in SCHEDULE_FLAGS.items():
         if schedule != "1f1b":
             plan.append(RunSpec(f"pipeline {schedule}", "pippy", m, ["--schedule", schedule, *flags]))
     if bf16:
-        plan.append(RunSpec("ddp", "ddp", 1, precision="bf16", launcher="python"))
         # the default run in bf16, all of it: its test accuracy is an acceptance line
         plan.append(RunSpec("ddp", "ddp", n, precision="bf16", launcher="run_ddp.sh", full=full_runs))
         if more_bf16:
