@@ -6,10 +6,10 @@
     bash run_fsdp.sh --sharding hybrid --precision bf16       # HSDP with bf16 compute (see --help)
 
 FSDP keeps on each rank only a shard of every parameter, of its gradient and of its optimizer state. Before
-a block runs, its shards are all-gathered into the full parameters; after its backward, the gradients are
+a unit runs, its shards are all-gathered into the full parameters; after its backward, the gradients are
 reduce-scattered, so each rank holds the averaged gradient of its own shard and steps the optimizer on that
-shard alone. `--sharding` decides over which ranks (full, grad-op, hybrid, none: see the README). Lines
-specific to FSDP are marked `# [FSDP]`.
+shard alone. `--sharding` decides over which ranks (full, grad-op, hybrid, none), `--shard-units` what a
+unit is (the whole model, or each block: see the README). Lines specific to FSDP are marked `# [FSDP]`.
 """
 
 import os

@@ -111,14 +111,15 @@ def teardown_distributed() -> None:
     until its own release. Holding the handle makes this process, not gloo's thread, release the last
     collective, with the GIL. It matters where the process group outlives destroy_process_group, as
     FSDP's does (DTensor's caches keep its DeviceMesh, and the mesh its groups, until the interpreter
-    exits); elsewhere destroy_process_group joins gloo's threads."""
+    exits); with DDP, destroy_process_group joins gloo's threads then and there."""
     if not dist.is_initialized():
         return
     if sys.exc_info()[1] is None:  # inside `finally`: None unless an exception is on its way out
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
         meeting = torch.ones(1, device=device)
         work = dist.all_reduce(meeting, async_op=True)
-        _LAST_MEETING.append(work)
+        if dist.get_backend() == "gloo":  # (NCCL's shutdown in destroy_process_group joins its threads)
+            _LAST_MEETING.append(work)
         work.wait()
         meeting.item()  # waits on the host, also for NCCL, whose wait() only orders the GPU stream
     dist.destroy_process_group()

@@ -40,9 +40,10 @@ class BabyCNN(nn.Sequential):
         ]))
 
 
-# BabyCNN's two blocks, by layer name: what FSDP shards as one unit each (one all-gather, one
-# reduce-scatter per block). fc1 holds 93% of the parameters, so sharding layer by layer would gather
-# almost the same peak of full weights while paying 2.5x the collectives.
+# BabyCNN's two blocks, by layer name: what `train_fsdp.py --shard-units blocks` shards as one unit each
+# (one all-gather, one reduce-scatter per block). fc1 holds 93% of the parameters, so sharding layer by
+# layer would gather almost the same peak of full weights while paying 2.5x the collectives. For the same
+# reason the default is the whole model as one unit (--shard-units model): two collectives per step.
 BLOCKS = {"features": ("conv1", "relu1", "conv2", "norm", "relu2", "pool"),
           "classifier": ("flatten", "fc1", "dropout", "relu3", "fc2")}
 
