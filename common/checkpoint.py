@@ -34,6 +34,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
+from common.distributed import collective_device
+
 _COMPLETE = re.compile(r"^step_(\d{7})$")
 
 
@@ -71,9 +73,8 @@ def save_checkpoint(out_dir: str, step: int, *, model: nn.Module,
     """Write the checkpoint of step `step` (all ranks call this). Returns its path."""
     rank = dist.get_rank()
     # A non-finite weight would make this checkpoint the "latest" one that every resume chokes on.
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     finite = torch.tensor([all(bool(torch.isfinite(p.detach()).all()) for p in model.parameters())],
-                          dtype=torch.int32, device=device)
+                          dtype=torch.int32, device=collective_device())
     dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     if not finite.item():
         raise FloatingPointError(f"the weights are not finite after step {step}; no checkpoint written, the "

@@ -94,6 +94,11 @@ def keep_freed_memory() -> bool:
     return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
 
 
+def collective_device() -> torch.device:
+    """Where a collective's tensors must live: this rank's GPU with NCCL, the CPU with gloo."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 _LAST_MEETING: list[object] = []  # teardown_distributed's collective, kept until the process exits
 
 
@@ -115,8 +120,7 @@ def teardown_distributed() -> None:
     if not dist.is_initialized():
         return
     if sys.exc_info()[1] is None:  # inside `finally`: None unless an exception is on its way out
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-        meeting = torch.ones(1, device=device)
+        meeting = torch.ones(1, device=collective_device())
         work = dist.all_reduce(meeting, async_op=True)
         if dist.get_backend() == "gloo":  # (NCCL's shutdown in destroy_process_group joins its threads)
             _LAST_MEETING.append(work)

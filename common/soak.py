@@ -48,8 +48,7 @@ def soak(script: str, *, runs: int, nproc: int, work: Path) -> dict:
             said = [line for line in proc.stderr.splitlines() if "terminate called" in line or "error" in line.lower()]
             why = (said or proc.stderr.splitlines()[-1:] or [""])[0]
             failures.append({"run": i, "resumed": resume, "exit": proc.returncode, "why": why})
-            print(f"  {script} run {i}{' (resumed)' if resume else ''}: exit {proc.returncode}: "
-                  f"{failures[-1]['why']}", flush=True)
+            print(f"  {script} run {i}{' (resumed)' if resume else ''}: exit {proc.returncode}: {why}", flush=True)
     return {"script": script, "nproc": nproc, "runs": runs, "exit_0": codes.count(0), "failures": failures,
             "mean_s": sum(seconds) / len(seconds)}
 
