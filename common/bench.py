@@ -1,7 +1,7 @@
 """Benchmark: every strategy against a conventional baseline and against the machine's matmul peak.
 
     python -m common.bench                      # the default suite (~5 min on 2 cores): runs/bench/bench.{json,md}
-    python -m common.bench --all                # + every mode on 4 processes, more bf16, compile, repeats (~10 min)
+    python -m common.bench --all                # + every mode on 4 processes, more bf16, compile
     python -m common.bench --wait-quiet 600     # first wait (up to 600 s) until the 1-min load average is < 1
     python -m common.bench --only ddp,baseline --procs 1,2 --timed-steps 10
     python -m common.bench --quick              # seconds: tiny settings, for the smoke test
@@ -116,6 +116,28 @@ def model_flops(*, in_channels: int = 1, image_size: int = 28, num_classes: int 
         layer["backward"] = layer["forward"] * (1 if i == 0 else 2)
     total = sum(layer["forward"] + layer["backward"] for layer in layers)
     return {"train_flops_per_sample": total, "layers": layers}
+
+
+def pipeline_ceiling(layers: Sequence[dict[str, Any]], *, stage_counts: Sequence[int],
+                     peak_one_thread_gflops: float) -> dict[str, dict[str, Any]]:
+    """The fastest a pipeline can train here with one thread per rank, per number of stages: its heaviest
+    stage (by the model's cut, STAGE_STARTS) runs on one core, at best at the 1-thread matmul peak, and every
+    sample passes through it. `layers` are model_flops()'s; layers without FLOPs count as free, so this is
+    an upper bound. With r pipeline replicas on r or more cores the bound is r times this."""
+    from common.model import STAGE_STARTS, build_model, split_model
+
+    flops = {layer["layer"]: layer["forward"] + layer["backward"] for layer in layers}
+    model = build_model(seed=0, in_channels=1, image_size=28, num_classes=10, dropout=0.0)
+    ceiling = {}
+    for n in stage_counts:
+        if n not in STAGE_STARTS:
+            continue
+        pieces = split_model(model, n)
+        heaviest = max(pieces, key=lambda piece: sum(flops.get(name, 0) for name in piece._modules))
+        stage_flops = sum(flops.get(name, 0) for name in heaviest._modules)
+        ceiling[str(n)] = {"heaviest_stage": list(heaviest._modules), "train_flops_per_sample": stage_flops,
+                           "samples_per_s": peak_one_thread_gflops * 1e9 / stage_flops}
+    return ceiling
 
 
 # ============================================================================ the suite's loop, replayed
@@ -485,6 +507,7 @@ class RunSpec:
     precision: str = "fp32"
     launcher: str = "torchrun"  # python (1 process), torchrun, run_ddp.sh
     full: bool = False        # the default-length run: its test accuracy counts
+    scaling: bool = False     # a run the acceptance compares: launched --repeats times, in rounds
 
     @property
     def script(self) -> str:
@@ -655,14 +678,20 @@ def default_plan(procs: Sequence[int], *, modes_procs: int, full_runs: bool, thr
     plan: list[RunSpec] = []
     for p in procs:
         launcher = "python" if p == 1 else "torchrun"
-        plan.append(RunSpec("baseline", "baseline", p, launcher=launcher))
+        plan.append(RunSpec("baseline", "baseline", p, launcher=launcher, scaling=True))
         # at the largest count, as a user starts it (bash run_ddp.sh): its launch time is an acceptance line
-        plan.append(RunSpec("ddp", "ddp", p, launcher="run_ddp.sh" if p == n and p > 1 else launcher))
+        plan.append(RunSpec("ddp", "ddp", p, launcher="run_ddp.sh" if p == n and p > 1 else launcher, scaling=True))
         if bf16 and p == 1:  # right after its fp32 twin: the bf16 speed-up is a ratio of neighbours
-            plan.append(RunSpec("ddp", "ddp", 1, precision="bf16", launcher="python"))
-        plan.append(RunSpec("fsdp full", "fsdp", p, ["--sharding", "full"], launcher=launcher))
+            plan.append(RunSpec("ddp", "ddp", 1, precision="bf16", launcher="python", scaling=True))
+        plan.append(RunSpec("fsdp full", "fsdp", p, ["--sharding", "full"], launcher=launcher, scaling=True))
         if p > 1:  # a pipeline needs at least two ranks to be one
-            plan.append(RunSpec("pipeline 1f1b", "pippy", p, ["--schedule", "1f1b"]))
+            plan.append(RunSpec("pipeline 1f1b", "pippy", p, ["--schedule", "1f1b"], scaling=True))
+        if p >= 4 and p % 2 == 0:
+            # two pipelines of p/2 stages, each on half the batch (on 4 processes: 2 micro-batches of 32, the
+            # size of the 4-stage pipeline's). With fewer cores than ranks, two heavy stages keep two cores busy.
+            plan.append(RunSpec(f"pipeline 1f1b, 2 replicas × {p // 2} stages", "pippy", p,
+                                ["--schedule", "1f1b", "--dp", "2", "--n-microbatches", str(max(2, p // 2))],
+                                scaling=True))
     m = modes_procs
     for sharding in SHARDINGS[1:]:
         if sharding != "hybrid" or m % 2 == 0:
@@ -696,9 +725,16 @@ def _launches(row: dict[str, Any]) -> str:
     return f" ({min(each):.0f}–{max(each):.0f} over {len(each)} launches)" if len(each) > 1 else ""
 
 
+def _round_ratios(row: dict[str, Any]) -> str:
+    each = row.get("vs_baseline_each_round")
+    return f" ({min(each):.2f}–{max(each):.2f} by round)" if each else ""
+
+
 def annotate(rows: list[dict[str, Any]], *, flops_per_sample: float, peaks: dict[str, float]) -> None:
     """Add achieved GFLOP/s, its fraction of the machine's peak, and the ratio to the baseline."""
     baseline = {r["nproc"]: r["samples_per_s"] for r in rows if r["strategy"] == "baseline" and r.get("samples_per_s")}
+    each_baseline = {r["nproc"]: r.get("samples_per_s_of_each_launch", []) for r in rows if r["strategy"] == "baseline"}
+    fp32_twin = {(r["name"], r["nproc"], r["launcher"]): r for r in rows if r["precision"] == "fp32"}
     for row in rows:
         if not row.get("samples_per_s"):
             continue
@@ -707,6 +743,15 @@ def annotate(rows: list[dict[str, Any]], *, flops_per_sample: float, peaks: dict
         row["peak_fraction"] = row["model_gflops"] / peak if peak else None
         if row["nproc"] in baseline:
             row["vs_baseline"] = row["samples_per_s"] / baseline[row["nproc"]]
+            rounds = zip(row.get("samples_per_s_of_each_launch", []), each_baseline.get(row["nproc"], []))
+            ratios = [a / b for a, b in rounds if a and b]
+            if len(ratios) > 1 and row["strategy"] != "baseline":
+                row["vs_baseline_each_round"] = ratios
+        twin = fp32_twin.get((row["name"], row["nproc"], row["launcher"]))
+        if row["precision"] == "bf16" and twin and twin.get("samples_per_s"):  # the bf16 speed-up, side by side
+            row["vs_fp32"] = row["samples_per_s"] / twin["samples_per_s"]
+            rounds = zip(row.get("samples_per_s_of_each_launch", []), twin.get("samples_per_s_of_each_launch", []))
+            row["vs_fp32_each_round"] = [a / b for a, b in rounds if a and b]
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -736,12 +781,18 @@ def markdown(report: dict[str, Any]) -> str:
         tensors = r.get("tensor_bytes_per_rank") or []
         lines.append(
             f"| {name} | {r['precision']} | {r['nproc']} | {_fmt(r.get('samples_per_s'), '.0f')}{_launches(r)} | "
-            f"{_fmt(r.get('vs_baseline'), '.2f')} | {_fmt(1e3 * st['median'], '.1f') if st else '-'} "
+            f"{_fmt(r.get('vs_baseline'), '.2f')}{_round_ratios(r)} | {_fmt(1e3 * st['median'], '.1f') if st else '-'} "
             f"({_fmt(1e3 * st['p10'], '.0f') if st else '-'}–{_fmt(1e3 * st['p90'], '.0f') if st else '-'}) | "
             f"{_fmt(r.get('launch_to_first_step_s'), '.1f')} | {_mib(max(tensors)) if tensors else '-'} | "
             f"{_mib(max(rss)) if rss else '-'} | {_fmt(r.get('model_gflops'), '.1f')} | "
             f"{_fmt(100 * r['peak_fraction'] if r.get('peak_fraction') else None, '.1f')} | "
             f"{_fmt(100 * r['test_accuracy'] if r.get('test_accuracy') is not None else None, '.2f')} |")
+    for r in report["runs"]:
+        if r.get("vs_fp32"):
+            each = r.get("vs_fp32_each_round") or []
+            lines += ["", f"bf16 against fp32, {r['name']} on {r['nproc']} process{'es' if r['nproc'] > 1 else ''} "
+                      f"launched in the same rounds: {r['vs_fp32']:.2f}× (median launches)"
+                      + (f", {min(each):.2f}–{max(each):.2f}× by round" if len(each) > 1 else "") + "."]
     scaling = report.get("scaling")
     if scaling:
         procs = sorted({p for row in scaling.values() for p in row}, key=int)
@@ -752,6 +803,7 @@ def markdown(report: dict[str, Any]) -> str:
             cells = [("-" if row.get(p) is None else f"{row[p]:.0f}" + (f" ({row[p] / one:.2f}×)" if one else ""))
                      for p in procs]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ceiling_lines(report)
     loops = report.get("loop_breakdown")
     if loops:
         lines += ["", "Where a step goes (the suite's loop replayed in one process; share of step time):", "",
@@ -799,6 +851,38 @@ def markdown(report: dict[str, Any]) -> str:
                   "slowest top-level imports: " + ", ".join(f"{k} {v:.2f} s" for k, v in imports['top_level_import_s'].items())
                   + "."]
     return "\n".join(lines) + "\n"
+
+
+def _replicas(row: dict[str, Any]) -> int:
+    """A pipeline run's --dp (pipeline replicas)."""
+    args = row.get("args", [])
+    return int(args[args.index("--dp") + 1]) if "--dp" in args else 1
+
+
+def ceiling_lines(report: dict[str, Any]) -> list[str]:
+    """The pipeline rows against what one thread per rank allows them (pipeline_ceiling)."""
+    ceiling, rows = report.get("pipeline_ceiling") or {}, report["runs"]
+    baseline = {r["nproc"]: r["samples_per_s"] for r in rows if r["strategy"] == "baseline" and r.get("samples_per_s")}
+    pipelines = [r for r in rows if r.get("ok") and r["strategy"] == "pippy" and r["precision"] == "fp32"
+                 and r.get("samples_per_s") and r["args"][:2] == ["--schedule", "1f1b"]]
+    if not ceiling or not pipelines:
+        return []
+    peak = report["peak_by_threads_gflops"]["fp32 1 thread, CPU time"]
+    lines = ["", f"The pipeline's ceiling with one thread per rank: every sample passes through the heaviest "
+             f"stage, on one core, at best at the 1-thread fp32 matmul peak ({peak:.0f} GFLOP/s, CPU time), "
+             "counting only conv and linear FLOPs (× the replicas, each on a core of its own):", "",
+             "| run | procs | heaviest stage | MFLOP per sample | ceiling samples/s | measured | baseline |",
+             "|---|---|---|---|---|---|---|"]
+    for r in pipelines:
+        replicas = _replicas(r)
+        c = ceiling.get(str(r["nproc"] // replicas))
+        if not c:
+            continue
+        bound = c["samples_per_s"] * min(replicas, report["machine"]["cores"])
+        lines.append(f"| {r['name']} | {r['nproc']} | {', '.join(c['heaviest_stage'])} | "
+                     f"{c['train_flops_per_sample'] / 1e6:.1f} | {bound:.0f} | {r['samples_per_s']:.0f} | "
+                     f"{_fmt(baseline.get(r['nproc']), '.0f')} |")
+    return lines
 
 
 def scaling_table(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -850,8 +934,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--only", default="", help="comma-separated strategies to launch (baseline,ddp,fsdp,pippy)")
     parser.add_argument("--batch-size", type=int, default=128, help="global batch of every run")
     parser.add_argument("--warmup-steps", type=int, default=3)
-    parser.add_argument("--timed-steps", type=int, default=15)
-    parser.add_argument("--repeats", type=int, default=1, help="launches of each single-process run (--all: 5)")
+    parser.add_argument("--timed-steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=0,
+                        help="rounds of the runs the acceptance compares (baseline, DDP, FSDP full, pipeline 1F1B at "
+                             "every process count); each row reports its median launch (0: 3; --quick: 1)")
     parser.add_argument("--modes-procs", type=int, default=2,
                         help="processes for the FSDP modes and pipeline schedules beyond the scaling runs (--all: the most)")
     parser.add_argument("--test-size", type=int, default=256, help="test set of the short runs (evaluated once, after timing)")
@@ -859,7 +945,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 launches")
     parser.add_argument("--compile", action="store_true", help="add torch.compile variants to the fast paths (slow to compile)")
     parser.add_argument("--all", action="store_true", help="also FSDP and pipeline in bf16, every mode and schedule "
-                        "on the most processes, 5 launches per 1-process run, a bf16 profile and --compile (~10 min)")
+                        "on the most processes, a bf16 profile and --compile")
     parser.add_argument("--micro-only", action="store_true", help="only the in-process measurements, no launches")
     parser.add_argument("--no-micro", action="store_true", help="only the launches, no in-process measurements")
     parser.add_argument("--quick", action="store_true", help="tiny settings: a smoke test of the benchmark itself")
@@ -870,8 +956,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     import torch
 
     args.compile = args.compile or args.all
-    if args.all and args.repeats == 1:
-        args.repeats = 5
+    args.repeats = args.repeats or (1 if args.quick else 3)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     quiet_wait = wait_until_quiet(args.wait_quiet) if args.wait_quiet else None
@@ -949,27 +1034,39 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.only:
             wanted = set(args.only.split(","))
             plan = [spec for spec in plan if spec.strategy in wanted]
+        # The runs the acceptance compares are launched --repeats times, in rounds (every one of them once,
+        # then again): a launch's speed moves by 5-10 % with the machine's state and the allocator's
+        # history, and rounds let that noise hit the baseline and the strategies alike. Each row reports
+        # its median launch; annotate() adds the ratio to the baseline of the same round.
+        scaling = [spec for spec in plan if spec.scaling]
+        order = [(i, spec) for i in range(args.repeats) for spec in scaling]
+        order += [(0, spec) for spec in plan if not spec.scaling]
+        launches: dict[int, list[dict[str, Any]]] = {id(spec): [] for spec in plan}
+        for i, spec in order:
+            say(f"{spec.name} {spec.precision} x{spec.nproc} ({spec.launcher})"
+                + (f", round {i + 1} of {args.repeats}" if spec.scaling and args.repeats > 1 else ""))
+            launch = run_one(spec, work=out, warmup=args.warmup_steps, timed=args.timed_steps,
+                             batch_size=args.batch_size, test_size=64 if quick else args.test_size,
+                             train_size=train_size if quick else 0, timeout_s=args.timeout_s, attempt=i)
+            if not launch["ok"]:
+                say(f"  failed: {launch['error']}")
+            else:
+                say(f"  {launch.get('samples_per_s', 0):.0f} samples/s, median step "
+                    f"{1e3 * launch.get('step_time_s', {}).get('median', 0):.1f} ms")
+            launches[id(spec)].append(launch)
         for spec in plan:
-            say(f"{spec.name} {spec.precision} x{spec.nproc} ({spec.launcher})")
-            # one process's step time depends on its allocator's history (see keep_freed_memory): with
-            # --repeats, single-process runs are launched several times and the median launch is reported
-            attempts = [run_one(spec, work=out, warmup=args.warmup_steps, timed=args.timed_steps,
-                                batch_size=args.batch_size, test_size=64 if quick else args.test_size,
-                                train_size=train_size if quick else 0, timeout_s=args.timeout_s, attempt=i)
-                        for i in range(args.repeats if spec.nproc == 1 else 1)]
+            attempts = launches[id(spec)]
             done = sorted((a for a in attempts if a["ok"]), key=lambda a: a["samples_per_s"])
             row = done[len(done) // 2] if done else attempts[0]
-            if len(attempts) > 1:
+            if len(attempts) > 1:  # in round order
                 row["samples_per_s_of_each_launch"] = [a.get("samples_per_s") for a in attempts]
-            if not row["ok"]:
-                say(f"  failed: {row['error']}")
-            else:
-                say(f"  {row.get('samples_per_s', 0):.0f} samples/s, median step "
-                    f"{1e3 * row.get('step_time_s', {}).get('median', 0):.1f} ms")
             rows.append(row)
     annotate(rows, flops_per_sample=flops, peaks=report["peak_gflops"])
     report["runs"] = rows
     report["scaling"] = scaling_table(rows)
+    stage_counts = sorted({r["nproc"] // _replicas(r) for r in rows if r["strategy"] == "pippy"})
+    report["pipeline_ceiling"] = pipeline_ceiling(report["model"]["layers"], stage_counts=stage_counts,
+                                                  peak_one_thread_gflops=peak_all["fp32 1 thread, CPU time"])
     cpu_after, wall = _cpu_seconds(), time.perf_counter() - started
     # cores kept busy by processes that are not this benchmark's, on average over the benchmark
     others = max(0.0, (cpu_after[0] - cpu_before[0]) - (cpu_after[1] - cpu_before[1])) / wall
