@@ -1,6 +1,6 @@
 """Benchmark: every strategy against a conventional baseline and against the machine's matmul peak.
 
-    python -m common.bench                      # the default suite (~5 min on 2 cores): runs/bench/bench.{json,md}
+    python -m common.bench                      # the default suite (~10 min on 2 cores): runs/bench/bench.{json,md}
     python -m common.bench --all                # + every mode on 4 processes, more bf16, compile
     python -m common.bench --wait-quiet 600     # first wait (up to 600 s) until the 1-min load average is < 1
     python -m common.bench --only ddp,baseline --procs 1,2 --timed-steps 10
@@ -28,7 +28,8 @@ Sub-commands used by the launches: `baseline-worker` (the conventional script) a
 in-process measurement in a fresh process).
 
 Timing on a shared machine is noise: the JSON records the load average before and after, and the
-Markdown says when the machine was not quiet.
+Markdown says when the machine was not quiet. So is a single launch (5-10 % from one to the next): the runs
+the acceptance compares go in --repeats rounds, and each ratio to the baseline is also taken round by round.
 """
 
 from __future__ import annotations
