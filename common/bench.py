@@ -791,9 +791,10 @@ def markdown(report: dict[str, Any]) -> str:
     for r in report["runs"]:
         if r.get("vs_fp32"):
             each = r.get("vs_fp32_each_round") or []
-            lines += ["", f"bf16 against fp32, {r['name']} on {r['nproc']} process{'es' if r['nproc'] > 1 else ''} "
-                      f"launched in the same rounds: {r['vs_fp32']:.2f}× (median launches)"
-                      + (f", {min(each):.2f}–{max(each):.2f}× by round" if len(each) > 1 else "") + "."]
+            where = f"{r['name']} on {r['nproc']} process{'es' if r['nproc'] > 1 else ''}"
+            lines += ["", f"bf16 against fp32, {where}, launched in the same rounds: {r['vs_fp32']:.2f}× (median "
+                      f"launches), {min(each):.2f}–{max(each):.2f}× by round." if len(each) > 1 else
+                      f"bf16 against fp32, {where}: {r['vs_fp32']:.2f}× (one bf16 launch against the fp32 row)."]
     scaling = report.get("scaling")
     if scaling:
         procs = sorted({p for row in scaling.values() for p in row}, key=int)
