@@ -731,9 +731,14 @@ def _round_ratios(row: dict[str, Any]) -> str:
     return f" ({min(each):.2f}–{max(each):.2f} by round)" if each else ""
 
 
+def _baseline_speeds(rows: list[dict[str, Any]]) -> dict[int, float]:
+    """Process count -> the baseline's samples/s (its median launch)."""
+    return {r["nproc"]: r["samples_per_s"] for r in rows if r["strategy"] == "baseline" and r.get("samples_per_s")}
+
+
 def annotate(rows: list[dict[str, Any]], *, flops_per_sample: float, peaks: dict[str, float]) -> None:
     """Add achieved GFLOP/s, its fraction of the machine's peak, and the ratio to the baseline."""
-    baseline = {r["nproc"]: r["samples_per_s"] for r in rows if r["strategy"] == "baseline" and r.get("samples_per_s")}
+    baseline = _baseline_speeds(rows)
     each_baseline = {r["nproc"]: r.get("samples_per_s_of_each_launch", []) for r in rows if r["strategy"] == "baseline"}
     fp32_twin = {(r["name"], r["nproc"], r["launcher"]): r for r in rows if r["precision"] == "fp32"}
     for row in rows:
@@ -864,7 +869,7 @@ def _replicas(row: dict[str, Any]) -> int:
 def ceiling_lines(report: dict[str, Any]) -> list[str]:
     """The pipeline rows against what one thread per rank allows them (pipeline_ceiling)."""
     ceiling, rows = report.get("pipeline_ceiling") or {}, report["runs"]
-    baseline = {r["nproc"]: r["samples_per_s"] for r in rows if r["strategy"] == "baseline" and r.get("samples_per_s")}
+    baseline = _baseline_speeds(rows)
     pipelines = [r for r in rows if r.get("ok") and r["strategy"] == "pippy" and r["precision"] == "fp32"
                  and r.get("samples_per_s") and r["args"][:2] == ["--schedule", "1f1b"]]
     if not ceiling or not pipelines:
