@@ -18,13 +18,23 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.checkpoint import latest_checkpoint, load_checkpoint, resume_requested, save_checkpoint
-from common.config import parse_config
+from common.cli import parse_config
 from common.data import GlobalBatchSampler, load_dataset, to_device_batch
 from common.distributed import RankLogger, run, seed_everything, setup_distributed, teardown_distributed
 from common.metrics import MetricsWriter, measure_memory, write_run_json
 from common.model import build_model
-from common.training import (autocast, build_optimizer, check_finite, describe_run, evaluate, gather_memory,
-                             global_mean, lr_at, set_lr, total_steps)
+from common.training import (
+    autocast,
+    build_optimizer,
+    check_finite,
+    describe_run,
+    evaluate,
+    gather_memory,
+    global_mean,
+    lr_at,
+    set_lr,
+    total_steps,
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,39 +52,55 @@ def train(cfg, env) -> None:
     log(f"DDP | {env.world_size} process(es) on {env.device.type} ({env.backend}) | torch {torch.__version__}")
 
     # ---- data: every rank holds the whole data set; the sampler gives each rank its slice of each batch
-    data = load_dataset(cfg.dataset, data_dir=cfg.data_dir, seed=cfg.seed, train_size=cfg.train_size,
-                        test_size=cfg.test_size, download=env.world_size == 1)
+    data = load_dataset(
+        cfg.dataset,
+        data_dir=cfg.data_dir,
+        seed=cfg.seed,
+        train_size=cfg.train_size,
+        test_size=cfg.test_size,
+        download=env.world_size == 1,
+    )
     sampler = GlobalBatchSampler(len(data.train), cfg.batch_size, seed=cfg.seed)
     steps = total_steps(cfg, sampler.steps_per_epoch)
     micro_batch_size = cfg.batch_size // env.world_size // cfg.grad_accum_steps
-    log(f"{cfg.dataset}: {len(data.train)} train / {len(data.test)} test images | global batch {cfg.batch_size} "
-        f"= {env.world_size} ranks x {cfg.grad_accum_steps} accumulation steps x {micro_batch_size} | {steps} steps")
+    log(
+        f"{cfg.dataset}: {len(data.train)} train / {len(data.test)} test images | global batch {cfg.batch_size} "
+        f"= {env.world_size} ranks x {cfg.grad_accum_steps} accumulation steps x {micro_batch_size} | {steps} steps"
+    )
     if sampler.left_out_per_epoch:
-        log(f"note: {sampler.left_out_per_epoch} samples per epoch do not fill a global batch and sit out "
-            f"that epoch (different ones each epoch)")
+        log(
+            f"note: {sampler.left_out_per_epoch} samples per epoch do not fill a global batch and sit out "
+            f"that epoch (different ones each epoch)"
+        )
 
     # ---- model: the same initial weights on every rank, because they depend on the seed alone
-    model = build_model(seed=cfg.seed, in_channels=data.in_channels, image_size=data.image_size,
-                        num_classes=data.num_classes, dropout=cfg.dropout).to(env.device)
+    model = build_model(
+        seed=cfg.seed,
+        in_channels=data.in_channels,
+        image_size=data.image_size,
+        num_classes=data.num_classes,
+        dropout=cfg.dropout,
+    ).to(env.device)
     seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
     # [DDP] Wrap the replica. DDP broadcasts rank 0's weights once (they already agree) and registers the
     # hooks that all-reduce gradients during backward. gradient_as_bucket_view: the .grad tensors live in
     # DDP's communication buckets instead of beside them, which saves one copy of the gradients.
-    model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
-                gradient_as_bucket_view=True)
+    model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None, gradient_as_bucket_view=True)
     optimizer = build_optimizer(model.parameters(), cfg)
 
     start_step = 0
     if resume_requested(cfg.resume) and (path := latest_checkpoint(cfg.out, log=log)):
         start_step = load_checkpoint(path, model=model, optimizers=[optimizer])
         log(f"resumed from {path} (step {start_step})")
-    metrics = MetricsWriter(cfg.out, enabled=env.is_main, total_steps=steps, log_every=cfg.log_every,
-                            start_step=start_step)
+    metrics = MetricsWriter(
+        cfg.out, enabled=env.is_main, total_steps=steps, log_every=cfg.log_every, start_step=start_step
+    )
 
     def run_eval(step: int) -> None:
         model.eval()  # (dropout off)
-        test_loss, test_accuracy = evaluate(model, data.test, data, rank=env.rank, world_size=env.world_size,
-                                            device=env.device)
+        test_loss, test_accuracy = evaluate(
+            model, data.test, data, rank=env.rank, world_size=env.world_size, device=env.device
+        )
         model.train()
         metrics.eval(step, test_loss=test_loss, test_accuracy=test_accuracy)
 
@@ -114,8 +140,10 @@ def train(cfg, env) -> None:
     if env.is_main:
         final = metrics.final()
         write_run_json(cfg.out, **describe_run(cfg, env), final=final, memory={"per_rank": memory})
-        log(f"done: test accuracy {100 * final['test_accuracy']:.2f}% | {final['samples_per_s']:.0f} samples/s | "
-            f"{final['wall_time_s']:.1f} s | {cfg.out}/metrics.jsonl, {cfg.out}/run.json")
+        log(
+            f"done: test accuracy {100 * final['test_accuracy']:.2f}% | {final['samples_per_s']:.0f} samples/s | "
+            f"{final['wall_time_s']:.1f} s | {cfg.out}/metrics.jsonl, {cfg.out}/run.json"
+        )
     metrics.close()
 
 

@@ -23,13 +23,22 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from common.checkpoint import latest_checkpoint, load_checkpoint, resume_requested, save_checkpoint
-from common.config import parse_config
+from common.cli import parse_config
 from common.data import GlobalBatchSampler, load_dataset, to_device_batch
 from common.distributed import RankLogger, run, seed_everything, setup_distributed, teardown_distributed
 from common.metrics import MetricsWriter, measure_memory, write_run_json
 from common.model import blocks, build_model
-from common.training import (build_optimizer, check_finite, describe_run, evaluate, gather_memory,
-                             global_mean, lr_at, set_lr, total_steps)
+from common.training import (
+    build_optimizer,
+    check_finite,
+    describe_run,
+    evaluate,
+    gather_memory,
+    global_mean,
+    lr_at,
+    set_lr,
+    total_steps,
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -44,28 +53,45 @@ def main(argv: list[str] | None = None) -> None:
 
 def train(cfg, env) -> None:
     log = RankLogger(env.is_main)
-    log(f"FSDP ({cfg.sharding}) | {env.world_size} process(es) on {env.device.type} ({env.backend}) | "
-        f"torch {torch.__version__}")
+    log(
+        f"FSDP ({cfg.sharding}) | {env.world_size} process(es) on {env.device.type} ({env.backend}) | "
+        f"torch {torch.__version__}"
+    )
 
     # ---- data: every rank holds the whole data set; the sampler gives each rank its slice of each batch
-    data = load_dataset(cfg.dataset, data_dir=cfg.data_dir, seed=cfg.seed, train_size=cfg.train_size,
-                        test_size=cfg.test_size, download=env.world_size == 1)
+    data = load_dataset(
+        cfg.dataset,
+        data_dir=cfg.data_dir,
+        seed=cfg.seed,
+        train_size=cfg.train_size,
+        test_size=cfg.test_size,
+        download=env.world_size == 1,
+    )
     sampler = GlobalBatchSampler(len(data.train), cfg.batch_size, seed=cfg.seed)
     steps = total_steps(cfg, sampler.steps_per_epoch)
     micro_batch_size = cfg.batch_size // env.world_size // cfg.grad_accum_steps
-    log(f"{cfg.dataset}: {len(data.train)} train / {len(data.test)} test images | global batch {cfg.batch_size} "
-        f"= {env.world_size} ranks x {cfg.grad_accum_steps} accumulation steps x {micro_batch_size} | {steps} steps")
+    log(
+        f"{cfg.dataset}: {len(data.train)} train / {len(data.test)} test images | global batch {cfg.batch_size} "
+        f"= {env.world_size} ranks x {cfg.grad_accum_steps} accumulation steps x {micro_batch_size} | {steps} steps"
+    )
     if sampler.left_out_per_epoch:
-        log(f"note: {sampler.left_out_per_epoch} samples per epoch do not fill a global batch and sit out "
-            f"that epoch (different ones each epoch)")
+        log(
+            f"note: {sampler.left_out_per_epoch} samples per epoch do not fill a global batch and sit out "
+            f"that epoch (different ones each epoch)"
+        )
 
     # ---- model: the same initial weights on every rank, because they depend on the seed alone
     # [FSDP] Built whole on the CPU, then sharded; fully_shard moves each rank's shard to the mesh's device.
     # Not on the meta device (the way for models too big for one device: shard empty tensors, then initialise
     # each shard), because shards initialised separately would not be DDP's weights, and the curves would
     # no longer be comparable. BabyCNN's 1.3M parameters are cheap to build whole.
-    model = build_model(seed=cfg.seed, in_channels=data.in_channels, image_size=data.image_size,
-                        num_classes=data.num_classes, dropout=cfg.dropout)
+    model = build_model(
+        seed=cfg.seed,
+        in_channels=data.in_channels,
+        image_size=data.image_size,
+        num_classes=data.num_classes,
+        dropout=cfg.dropout,
+    )
     model_blocks = blocks(model)  # the units to shard, taken before a checkpoint wrapper hides the layers
     seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
     if cfg.activation_checkpointing:
@@ -79,9 +105,13 @@ def train(cfg, env) -> None:
     # ranks; hybrid: 2 rows of world/2 ranks (on two machines: shard within each, replicate across them);
     # none: a row per rank, shards of size 1 (how FSDP2 spells NO_SHARD: every rank keeps everything).
     replicas = {"full": 1, "grad-op": 1, "hybrid": 2, "none": env.world_size}[cfg.sharding]
-    mesh = (init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("shard",)) if replicas == 1 else
-            init_device_mesh(env.device.type, (replicas, env.world_size // replicas),
-                             mesh_dim_names=("replicate", "shard")))
+    mesh = (
+        init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("shard",))
+        if replicas == 1
+        else init_device_mesh(
+            env.device.type, (replicas, env.world_size // replicas), mesh_dim_names=("replicate", "shard")
+        )
+    )
     # [FSDP] reshard_after_forward: free a unit's gathered parameters after its forward and gather them again
     # for its backward (full, ZeRO-3), or keep them until then (grad-op, ZeRO-2: more memory, fewer gathers).
     # None is FSDP's own default: True for every unit but the root, whose backward comes right after forward.
@@ -92,9 +122,12 @@ def train(cfg, env) -> None:
     # GPU) exists only with a GPU.
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
-    shard_options = dict(mesh=mesh, reshard_after_forward=False if cfg.sharding == "grad-op" else None,
-                         mp_policy=bf16 if cfg.precision == "bf16" else MixedPrecisionPolicy(),
-                         offload_policy=offload if cfg.cpu_offload else OffloadPolicy())
+    shard_options = dict(
+        mesh=mesh,
+        reshard_after_forward=False if cfg.sharding == "grad-op" else None,
+        mp_policy=bf16 if cfg.precision == "bf16" else MixedPrecisionPolicy(),
+        offload_policy=offload if cfg.cpu_offload else OffloadPolicy(),
+    )
     # [FSDP] The units: each fully_shard call makes one, with one all-gather of its parameters before it runs
     # and one reduce-scatter of its gradients after its backward. --shard-units model (default): the root
     # alone, one unit for BabyCNN's 1.3M parameters (FSDP1's size-based wrap policy leaves modules under
@@ -115,13 +148,15 @@ def train(cfg, env) -> None:
     if resume_requested(cfg.resume) and (path := latest_checkpoint(cfg.out, log=log)):
         start_step = load_checkpoint(path, model=model, optimizers=[optimizer])
         log(f"resumed from {path} (step {start_step})")
-    metrics = MetricsWriter(cfg.out, enabled=env.is_main, total_steps=steps, log_every=cfg.log_every,
-                            start_step=start_step)
+    metrics = MetricsWriter(
+        cfg.out, enabled=env.is_main, total_steps=steps, log_every=cfg.log_every, start_step=start_step
+    )
 
     def run_eval(step: int) -> None:
         model.eval()  # (dropout off)
-        test_loss, test_accuracy = evaluate(model, data.test, data, rank=env.rank, world_size=env.world_size,
-                                            device=env.device)
+        test_loss, test_accuracy = evaluate(
+            model, data.test, data, rank=env.rank, world_size=env.world_size, device=env.device
+        )
         model.train()
         metrics.eval(step, test_loss=test_loss, test_accuracy=test_accuracy)
 
@@ -171,10 +206,16 @@ def train(cfg, env) -> None:
         torch.save(full_state, os.path.join(cfg.out, "model.pt.tmp"))
         os.replace(os.path.join(cfg.out, "model.pt.tmp"), os.path.join(cfg.out, "model.pt"))  # never half a file
         final = metrics.final()
-        write_run_json(cfg.out, **describe_run(cfg, env, mesh=dict(zip(mesh.mesh_dim_names, mesh.shape))),
-                       final=final, memory={"per_rank": memory, "theory": theory})
-        log(f"done: test accuracy {100 * final['test_accuracy']:.2f}% | {final['samples_per_s']:.0f} samples/s | "
-            f"{final['wall_time_s']:.1f} s | {cfg.out}/metrics.jsonl, {cfg.out}/run.json, {cfg.out}/model.pt")
+        write_run_json(
+            cfg.out,
+            **describe_run(cfg, env, mesh=dict(zip(mesh.mesh_dim_names, mesh.shape))),
+            final=final,
+            memory={"per_rank": memory, "theory": theory},
+        )
+        log(
+            f"done: test accuracy {100 * final['test_accuracy']:.2f}% | {final['samples_per_s']:.0f} samples/s | "
+            f"{final['wall_time_s']:.1f} s | {cfg.out}/metrics.jsonl, {cfg.out}/run.json, {cfg.out}/model.pt"
+        )
     metrics.close()
 
 

@@ -28,15 +28,32 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage
 
 from common.checkpoint import latest_checkpoint, load_checkpoint, resume_requested, save_checkpoint
-from common.config import parse_config
+from common.cli import parse_config
 from common.data import GlobalBatchSampler, load_dataset, to_device_batch
 from common.distributed import RankLogger, run, seed_everything, setup_distributed, teardown_distributed
 from common.metrics import MetricsWriter, measure_memory, write_run_json
 from common.model import build_model, split_model
-from common.pipeline import (BubbleMeter, bubble_summary, build_schedule, describe_cut, evaluate_pipeline,
-                             forward_stage_by_stage, stage_indices, stage_output_shapes, stage_owner)
-from common.training import (autocast, build_optimizer, check_finite, describe_run, gather_memory, lr_at, set_lr,
-                             total_steps)
+from common.pipeline import (
+    BubbleMeter,
+    bubble_summary,
+    build_schedule,
+    describe_cut,
+    evaluate_pipeline,
+    forward_stage_by_stage,
+    stage_indices,
+    stage_output_shapes,
+    stage_owner,
+)
+from common.training import (
+    autocast,
+    build_optimizer,
+    check_finite,
+    describe_run,
+    gather_memory,
+    lr_at,
+    set_lr,
+    total_steps,
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -63,23 +80,38 @@ def train(cfg, env) -> None:
     # is pipeline rank p-1, except with the V schedules, which put the last stage back on rank 0.
     is_logger = holds_last and replica == 0
     log = RankLogger(is_logger)
-    log(f"pipeline | {env.world_size} processes = {cfg.dp} replica(s) x {pp_size} pipeline ranks on "
-        f"{env.device.type} ({env.backend}) | {cfg.schedule}, {n_stages} stages | torch {torch.__version__}")
+    log(
+        f"pipeline | {env.world_size} processes = {cfg.dp} replica(s) x {pp_size} pipeline ranks on "
+        f"{env.device.type} ({env.backend}) | {cfg.schedule}, {n_stages} stages | torch {torch.__version__}"
+    )
 
     # ---- data: every rank holds the whole data set; a replica takes its slice of each global batch
-    data = load_dataset(cfg.dataset, data_dir=cfg.data_dir, seed=cfg.seed, train_size=cfg.train_size,
-                        test_size=cfg.test_size, download=env.world_size == 1)
+    data = load_dataset(
+        cfg.dataset,
+        data_dir=cfg.data_dir,
+        seed=cfg.seed,
+        train_size=cfg.train_size,
+        test_size=cfg.test_size,
+        download=env.world_size == 1,
+    )
     sampler = GlobalBatchSampler(len(data.train), cfg.batch_size, seed=cfg.seed)
     steps = total_steps(cfg, sampler.steps_per_epoch)
     chunk = cfg.batch_size // cfg.dp // cfg.grad_accum_steps  # what one schedule.step() consumes
-    log(f"{cfg.dataset}: {len(data.train)} train / {len(data.test)} test images | global batch {cfg.batch_size} = "
+    log(
+        f"{cfg.dataset}: {len(data.train)} train / {len(data.test)} test images | global batch {cfg.batch_size} = "
         f"{cfg.dp} replicas x {cfg.grad_accum_steps} accumulation steps x {cfg.n_microbatches} micro-batches x "
-        f"{chunk // cfg.n_microbatches} | {steps} steps")
+        f"{chunk // cfg.n_microbatches} | {steps} steps"
+    )
 
     # ---- model: build the whole model on every rank (the same initial weights as DDP for the same
     # seed), cut it, and keep only this rank's stages.
-    model = build_model(seed=cfg.seed, in_channels=data.in_channels, image_size=data.image_size,
-                        num_classes=data.num_classes, dropout=cfg.dropout)
+    model = build_model(
+        seed=cfg.seed,
+        in_channels=data.in_channels,
+        image_size=data.image_size,
+        num_classes=data.num_classes,
+        dropout=cfg.dropout,
+    )
     # [PP] The explicit cut (STAGE_STARTS in common/model.py). `flatten` always opens a stage: its output is
     # a view, and the zero-bubble schedules fail on a stage whose output is a view.
     pieces = split_model(model, n_stages)
@@ -107,8 +139,9 @@ def train(cfg, env) -> None:
 
     # This rank's layers under their own names (conv1.weight, ...), as in the whole model: the module
     # that optimizer and checkpoints see, so a checkpoint of any strategy loads into any other.
-    local_model = nn.Sequential(OrderedDict((name, layer) for i in sorted(modules)
-                                            for name, layer in modules[i].named_children()))
+    local_model = nn.Sequential(
+        OrderedDict((name, layer) for i in sorted(modules) for name, layer in modules[i].named_children())
+    )
     params = list(local_model.parameters())
     # A rank whose stages have no parameters (pooling, activations) has no optimizer at all.
     optimizer = build_optimizer(params, cfg) if params else None
@@ -118,8 +151,9 @@ def train(cfg, env) -> None:
     if resume_requested(cfg.resume) and (path := latest_checkpoint(cfg.out, log=log)):
         start_step = load_checkpoint(path, model=local_model, optimizers=optimizers)
         log(f"resumed from {path} (step {start_step})")
-    metrics = MetricsWriter(cfg.out, enabled=is_logger, total_steps=steps, log_every=cfg.log_every,
-                            start_step=start_step)
+    metrics = MetricsWriter(
+        cfg.out, enabled=is_logger, total_steps=steps, log_every=cfg.log_every, start_step=start_step
+    )
     meter = BubbleMeter(stages, env.device)  # [PP] time in stage compute; the rest of a step is the bubble
 
     # [PP] Where two consecutive stages share a rank (always in a V; any pipeline of one rank), the
@@ -131,9 +165,17 @@ def train(cfg, env) -> None:
     def forward_only(images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         with autocast(cfg, env.device):
             if local_handoff:
-                return forward_stage_by_stage(modules, images if holds_first else None, owner=owner,
-                                              pp_rank=pp_rank, n_stages=n_stages, shapes=shapes,
-                                              batch_size=chunk, group=mesh.get_group("pp"), device=env.device)
+                return forward_stage_by_stage(
+                    modules,
+                    images if holds_first else None,
+                    owner=owner,
+                    pp_rank=pp_rank,
+                    n_stages=n_stages,
+                    shapes=shapes,
+                    batch_size=chunk,
+                    group=mesh.get_group("pp"),
+                    device=env.device,
+                )
             # [PP] schedule.eval() runs the same micro-batches forward only (the first stage takes the
             # images, the last the labels: its loss function runs, and the schedule returns the logits).
             return schedule.eval(*([images] if holds_first else []), target=labels if holds_last else None)
@@ -141,8 +183,9 @@ def train(cfg, env) -> None:
     def run_eval(step: int) -> None:
         for module in modules.values():
             module.eval()  # schedule.eval() does not switch dropout off: that is ours to do
-        test_loss, test_accuracy = evaluate_pipeline(forward_only, data.test, data, replica=replica, dp=cfg.dp,
-                                                     batch_size=chunk, device=env.device)
+        test_loss, test_accuracy = evaluate_pipeline(
+            forward_only, data.test, data, replica=replica, dp=cfg.dp, batch_size=chunk, device=env.device
+        )
         for module in modules.values():
             module.train()
             if isinstance(module, FSDPModule):
@@ -164,8 +207,12 @@ def train(cfg, env) -> None:
             with autocast(cfg, env.device):
                 # [PP] One step() runs all micro-batches of x through every stage, forward and backward.
                 # Only the first stage gets inputs and only the last the targets; the others call it empty.
-                schedule.step(*([x] if holds_first else []), target=y if holds_last else None,
-                              losses=losses if holds_last else None, return_outputs=False)
+                schedule.step(
+                    *([x] if holds_first else []),
+                    target=y if holds_last else None,
+                    losses=losses if holds_last else None,
+                    return_outputs=False,
+                )
             loss_sum += sum(loss.detach() for loss in losses)  # empty unless this rank holds the last stage
         # [PP] The loss reaches every rank: the last-stage ranks hold their replica's mean, the others 0.
         # This all-reduce also ends the step's pipeline window on every rank at the same moment.
@@ -179,24 +226,45 @@ def train(cfg, env) -> None:
         if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
             run_eval(step)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-            save_checkpoint(cfg.out, step, model=local_model, optimizers=optimizers, strategy="pippy",
-                            keep=cfg.keep)
+            save_checkpoint(cfg.out, step, model=local_model, optimizers=optimizers, strategy="pippy", keep=cfg.keep)
 
     memory = gather_memory(measure_memory(params, optimizer, env.device), env.rank)
-    bubble = meter.report(cfg.out, write=is_logger, pp_size=pp_size, n_stages=n_stages,
-                          n_microbatches=cfg.n_microbatches, schedule=cfg.schedule, first_step=start_step + 1)
+    bubble = meter.report(
+        cfg.out,
+        write=is_logger,
+        pp_size=pp_size,
+        n_stages=n_stages,
+        n_microbatches=cfg.n_microbatches,
+        schedule=cfg.schedule,
+        first_step=start_step + 1,
+    )
     run_eval(steps)
     if is_logger:
         final = metrics.final()
-        write_run_json(cfg.out, **describe_run(cfg, env, pipeline={
-            "pp_size": pp_size, "n_stages": n_stages, "logging_rank": env.rank, "bubble": bubble,
-            "stages_of_each_pipeline_rank": [stage_indices(cfg.schedule, r, pp_size, cfg.stages_per_rank)
-                                             for r in range(pp_size)],
-            "evaluation": "stage by stage (send/recv)" if local_handoff else "schedule.eval()"}),
-                       final=final, memory={"per_rank": memory})
+        write_run_json(
+            cfg.out,
+            **describe_run(
+                cfg,
+                env,
+                pipeline={
+                    "pp_size": pp_size,
+                    "n_stages": n_stages,
+                    "logging_rank": env.rank,
+                    "bubble": bubble,
+                    "stages_of_each_pipeline_rank": [
+                        stage_indices(cfg.schedule, r, pp_size, cfg.stages_per_rank) for r in range(pp_size)
+                    ],
+                    "evaluation": "stage by stage (send/recv)" if local_handoff else "schedule.eval()",
+                },
+            ),
+            final=final,
+            memory={"per_rank": memory},
+        )
         log(bubble_summary(bubble))
-        log(f"done: test accuracy {100 * final['test_accuracy']:.2f}% | {final['samples_per_s']:.0f} samples/s | "
-            f"{final['wall_time_s']:.1f} s | {cfg.out}/metrics.jsonl, {cfg.out}/run.json")
+        log(
+            f"done: test accuracy {100 * final['test_accuracy']:.2f}% | {final['samples_per_s']:.0f} samples/s | "
+            f"{final['wall_time_s']:.1f} s | {cfg.out}/metrics.jsonl, {cfg.out}/run.json"
+        )
     metrics.close()
 
 

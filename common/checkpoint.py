@@ -31,10 +31,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from common.distributed import collective_device
+from common.errors import UserError
 
 _COMPLETE = re.compile(r"^step_(\d{7})$")
 
@@ -68,17 +74,29 @@ def _state(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dic
     return {"model": model_sd, "optim": optim_sd}
 
 
-def save_checkpoint(out_dir: str, step: int, *, model: nn.Module,
-                    optimizers: Sequence[torch.optim.Optimizer], strategy: str, keep: int = 0) -> str:
+def save_checkpoint(
+    out_dir: str,
+    step: int,
+    *,
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    strategy: str,
+    keep: int = 0,
+) -> str:
     """Write the checkpoint of step `step` (all ranks call this). Returns its path."""
     rank = dist.get_rank()
     # A non-finite weight would make this checkpoint the "latest" one that every resume chokes on.
-    finite = torch.tensor([all(bool(torch.isfinite(p.detach()).all()) for p in model.parameters())],
-                          dtype=torch.int32, device=collective_device())
+    finite = torch.tensor(
+        [all(bool(torch.isfinite(p.detach()).all()) for p in model.parameters())],
+        dtype=torch.int32,
+        device=collective_device(),
+    )
     dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     if not finite.item():
-        raise FloatingPointError(f"the weights are not finite after step {step}; no checkpoint written, the "
-                                 f"last good one stays the latest; lower --lr or use --precision fp32")
+        raise FloatingPointError(
+            f"the weights are not finite after step {step}; no checkpoint written, the "
+            f"last good one stays the latest; lower --lr or use --precision fp32"
+        )
     final = os.path.join(checkpoint_dir(out_dir), f"step_{step:07d}")
     tmp = final + ".tmp"
     if rank == 0 and os.path.exists(tmp):
@@ -88,8 +106,12 @@ def save_checkpoint(out_dir: str, step: int, *, model: nn.Module,
     torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
     dist.barrier()  # every rank has written everything
     if rank == 0:
-        meta = {"step": step, "world_size": dist.get_world_size(), "strategy": strategy,
-                "files": {name: _fingerprint(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}}
+        meta = {
+            "step": step,
+            "world_size": dist.get_world_size(),
+            "strategy": strategy,
+            "files": {name: _fingerprint(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))},
+        }
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
             f.flush()
@@ -105,7 +127,7 @@ def save_checkpoint(out_dir: str, step: int, *, model: nn.Module,
     return final
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """No checkpoint that passes verification."""
 
 
@@ -140,8 +162,10 @@ def latest_checkpoint(out_dir: str, *, log: Callable[[str], None] = print) -> st
             return path
         log(f"WARNING: checkpoint {path} is damaged: {problem}; trying the previous one")
     if found:
-        raise CheckpointError(f"--resume: no checkpoint in {checkpoint_dir(out_dir)} passes verification; "
-                              f"move the folder away to start afresh")
+        raise CheckpointError(
+            f"--resume: no checkpoint in {checkpoint_dir(out_dir)} passes verification; "
+            f"move the folder away to start afresh"
+        )
     return None
 
 
@@ -157,8 +181,9 @@ def load_checkpoint(path: str, *, model: nn.Module, optimizers: Sequence[torch.o
     state = _state(model, optimizers)
     dcp.load(state, checkpoint_id=path)
     if optimizers:
-        set_state_dict(model, list(optimizers), model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=_OPTIONS)
+        set_state_dict(
+            model, list(optimizers), model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS
+        )
     elif state["model"]:
         set_model_state_dict(model, state["model"])
     rng_file = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")

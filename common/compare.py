@@ -17,8 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 # What must agree for two loss curves to be comparable step by step.
-MUST_MATCH = {"dataset": "data set", "train_size": "data set size", "test_size": "test set size",
-              "batch_size": "global batch", "seed": "seed", "dropout": "model (dropout)"}
+MUST_MATCH = {
+    "dataset": "data set",
+    "train_size": "data set size",
+    "test_size": "test set size",
+    "batch_size": "global batch",
+    "seed": "seed",
+    "dropout": "model (dropout)",
+}
 
 
 class CompareError(ValueError):
@@ -29,8 +35,8 @@ class CompareError(ValueError):
 class Run:
     path: str
     info: dict[str, Any]
-    losses: dict[int, float] = field(default_factory=dict)        # step -> train loss
-    step_times: dict[int, float] = field(default_factory=dict)    # step -> seconds
+    losses: dict[int, float] = field(default_factory=dict)  # step -> train loss
+    step_times: dict[int, float] = field(default_factory=dict)  # step -> seconds
     evals: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -94,8 +100,10 @@ def differences(runs: Sequence[Run]) -> list[str]:
         ref = runs[0].config.get(key)
         for run in runs[1:]:
             if run.config.get(key) != ref:
-                lines.append(f"{what} differs: --{key.replace('_', '-')} {run.config.get(key)} in {run.path} "
-                             f"vs {ref} in {runs[0].path}")
+                lines.append(
+                    f"{what} differs: --{key.replace('_', '-')} {run.config.get(key)} in {run.path} "
+                    f"vs {ref} in {runs[0].path}"
+                )
     return lines
 
 
@@ -109,14 +117,19 @@ def table_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
     rows = []
     for run in runs:
         final = run.info.get("final", {})
-        rows.append({
-            "run": os.path.basename(os.path.normpath(run.path)), "settings": run.settings,
-            "world size": run.info["world_size"], "steps": len(run.losses),
-            "final train loss": final.get("train_loss"), "test accuracy": final.get("test_accuracy"),
-            "samples/s": final.get("samples_per_s"),
-            "memory/rank (MiB)": max(run.memory_per_rank()) / 2**20,
-            "max |Δloss| vs ref": max_loss_delta(run, runs[0]),
-        })
+        rows.append(
+            {
+                "run": os.path.basename(os.path.normpath(run.path)),
+                "settings": run.settings,
+                "world size": run.info["world_size"],
+                "steps": len(run.losses),
+                "final train loss": final.get("train_loss"),
+                "test accuracy": final.get("test_accuracy"),
+                "samples/s": final.get("samples_per_s"),
+                "memory/rank (MiB)": max(run.memory_per_rank()) / 2**20,
+                "max |Δloss| vs ref": max_loss_delta(run, runs[0]),
+            }
+        )
     return rows
 
 
@@ -156,8 +169,13 @@ def plot(runs: Sequence[Run], out: str, *, log_scale: bool) -> None:
     ref = runs[0]
     for i, run in enumerate(runs):
         steps = sorted(run.losses)
-        style = {"label": run.label, "color": f"C{i}", "linewidth": 1.4, "alpha": 0.85,
-                 "linestyle": "-" if i == 0 else "--"}
+        style = {
+            "label": run.label,
+            "color": f"C{i}",
+            "linewidth": 1.4,
+            "alpha": 0.85,
+            "linestyle": "-" if i == 0 else "--",
+        }
         ax_step.plot(steps, [run.losses[s] for s in steps], **style)
         elapsed, t = [], 0.0
         for s in steps:
@@ -165,16 +183,21 @@ def plot(runs: Sequence[Run], out: str, *, log_scale: bool) -> None:
             elapsed.append(t)
         ax_time.plot(elapsed, [run.losses[s] for s in steps], **style)
         if run.evals:
-            ax_acc.plot([e["step"] for e in run.evals], [100 * e["test_accuracy"] for e in run.evals],
-                        marker="o", **style)
+            ax_acc.plot(
+                [e["step"] for e in run.evals], [100 * e["test_accuracy"] for e in run.evals], marker="o", **style
+            )
         if i:
             shared = [s for s in steps if s in ref.losses]
             ax_delta.plot(shared, [max(abs(run.losses[s] - ref.losses[s]), 1e-9) for s in shared], **style)
     ax_step.set(title="training loss per step", xlabel="optimizer step", ylabel="loss (mean over the global batch)")
     ax_time.set(title="training loss against training time", xlabel="seconds (sum of step times)", ylabel="loss")
     ax_acc.set(title="test accuracy at each evaluation", xlabel="optimizer step", ylabel="test accuracy (%)")
-    ax_delta.set(title=f"|loss - loss of {os.path.basename(os.path.normpath(ref.path))}| per step (equal: drawn at 1e-9)",
-                 xlabel="optimizer step", ylabel="|Δloss|", yscale="log")
+    ax_delta.set(
+        title=f"|loss - loss of {os.path.basename(os.path.normpath(ref.path))}| per step (equal: drawn at 1e-9)",
+        xlabel="optimizer step",
+        ylabel="|Δloss|",
+        yscale="log",
+    )
     for ax in (ax_step, ax_time):
         if log_scale:
             ax.set_yscale("log")
@@ -186,18 +209,28 @@ def plot(runs: Sequence[Run], out: str, *, log_scale: bool) -> None:
     for i, run in enumerate(runs):
         per_rank = run.memory_per_rank()
         for rank, value in enumerate(per_rank):
-            ax_mem.bar(i - 0.4 + width * (rank + 0.5), value / 2**20, width=width * 0.9, color=colors[i],
-                       edgecolor="black", linewidth=0.3)
+            ax_mem.bar(
+                i - 0.4 + width * (rank + 0.5),
+                value / 2**20,
+                width=width * 0.9,
+                color=colors[i],
+                edgecolor="black",
+                linewidth=0.3,
+            )
         if run.cuda_peak() is not None:
             ax_mem.plot([i - 0.4, i + 0.4], [run.cuda_peak() / 2**20] * 2, color="black", linestyle=":")
     ax_mem.set_xticks(range(len(runs)), names)
-    ax_mem.set(title="memory per rank: parameters + gradients + optimizer state\n(one bar per rank; dotted: CUDA peak)",
-               ylabel="MiB")
+    ax_mem.set(
+        title="memory per rank: parameters + gradients + optimizer state\n(one bar per rank; dotted: CUDA peak)",
+        ylabel="MiB",
+    )
     for ax in (ax_speed, ax_mem):
         ax.tick_params(axis="x", rotation=20)
     handles, labels = ax_step.get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(len(runs), 3), fontsize=9, frameon=False)
-    fig.suptitle(f"BabyCNN on {ref.config['dataset']}, global batch {ref.config['batch_size']}, seed {ref.config['seed']}")
+    fig.suptitle(
+        f"BabyCNN on {ref.config['dataset']}, global batch {ref.config['batch_size']}, seed {ref.config['seed']}"
+    )
     fig.tight_layout(rect=(0, 0.07, 1, 0.97))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=110)
@@ -206,18 +239,25 @@ def plot(runs: Sequence[Run], out: str, *, log_scale: bool) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m common.compare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", help="run folders (with metrics.jsonl and run.json); the first is the reference")
+    parser.add_argument(
+        "runs", nargs="+", help="run folders (with metrics.jsonl and run.json); the first is the reference"
+    )
     parser.add_argument("--out", default="compare.png", help="where to write the figure (PNG)")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument("--log", action="store_true", help="log scale for the loss axes")
-    parser.add_argument("--force", action="store_true", help="compare runs even if their data, batch, seed or model differ")
+    parser.add_argument(
+        "--force", action="store_true", help="compare runs even if their data, batch, seed or model differ"
+    )
     args = parser.parse_args(argv)
     try:
         runs = [load_run(path) for path in args.runs]
         diffs = differences(runs)
         if diffs and not args.force:
-            raise CompareError(f"runs are not comparable: {diffs[0]}"
-                               + (f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else "") + "; use --force to compare anyway")
+            raise CompareError(
+                f"runs are not comparable: {diffs[0]}"
+                + (f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else "")
+                + "; use --force to compare anyway"
+            )
     except CompareError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -2,7 +2,8 @@
 
 Every command-line flag comes from a field of `Config`; its help text is the docstring written under the
 field, and `Config.check` validates everything in one place. A field can be limited to some strategies
-(`STRATEGY_FLAGS`); the same flag always means the same thing wherever it exists.
+(`STRATEGY_FLAGS`); the same flag always means the same thing wherever it exists. `common/cli.py` builds
+the command line from the fields.
 
 This module does not import torch, so `common/preflight.py` can validate the flags in a fraction of a
 second before torchrun starts any worker.
@@ -10,15 +11,10 @@ second before torchrun starts any worker.
 
 from __future__ import annotations
 
-import argparse
-import ast
 import dataclasses
-import inspect
-import os
-import sys
-import textwrap
 from dataclasses import dataclass, fields
-from typing import NoReturn, Sequence
+
+from common.errors import UserError
 
 DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10")
 OPTIMIZERS = ("sgd", "adamw")
@@ -28,12 +24,12 @@ SHARDINGS = ("full", "grad-op", "hybrid", "none")
 SHARD_UNITS = ("model", "blocks")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # exactly one stage per rank
-V_SCHEDULES = ("zbv", "dualpipev")          # exactly two stages per rank, placed in a V
+V_SCHEDULES = ("zbv", "dualpipev")  # exactly two stages per rank, placed in a V
 PIPELINE_MAX_STAGES = 8  # BabyCNN can be cut into 1..8 stages (common/model.py MAX_STAGES; a test keeps them equal)
 STRATEGIES = ("ddp", "fsdp", "pippy")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A flag has a bad value. The message names the flag and says what to do."""
 
 
@@ -123,31 +119,55 @@ class Config:
     # ------------------------------------------------------------------ checks
     def check(self, *, world_size: int | None = None) -> "Config":
         """Raise ConfigError for the first bad value; `world_size` adds the checks that depend on it."""
+
         def need(ok: bool, flag: str, problem: str) -> None:
             if not ok:
                 raise ConfigError(f"--{flag}: {problem}")
 
-        need(self.dataset in DATASETS, "dataset", f"unknown data set {self.dataset!r}; choose one of {', '.join(DATASETS)}")
+        need(
+            self.dataset in DATASETS,
+            "dataset",
+            f"unknown data set {self.dataset!r}; choose one of {', '.join(DATASETS)}",
+        )
         need(self.optimizer in OPTIMIZERS, "optimizer", f"unknown optimizer {self.optimizer!r}; choose sgd or adamw")
         need(self.precision in PRECISIONS, "precision", f"unknown precision {self.precision!r}; choose fp32 or bf16")
         need(self.device in DEVICES, "device", f"unknown device {self.device!r}; choose auto, cpu or cuda")
-        need(self.sharding in SHARDINGS, "sharding", f"unknown mode {self.sharding!r}; choose one of {', '.join(SHARDINGS)}")
-        need(self.shard_units in SHARD_UNITS, "shard-units",
-             f"unknown unit {self.shard_units!r}; choose one of {', '.join(SHARD_UNITS)}")
-        need(self.schedule in SCHEDULES, "schedule", f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        need(
+            self.sharding in SHARDINGS,
+            "sharding",
+            f"unknown mode {self.sharding!r}; choose one of {', '.join(SHARDINGS)}",
+        )
+        need(
+            self.shard_units in SHARD_UNITS,
+            "shard-units",
+            f"unknown unit {self.shard_units!r}; choose one of {', '.join(SHARD_UNITS)}",
+        )
+        need(
+            self.schedule in SCHEDULES,
+            "schedule",
+            f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}",
+        )
         need(self.train_size >= 1, "train-size", f"must be at least 1, got {self.train_size}")
         need(self.test_size >= 1, "test-size", f"must be at least 1, got {self.test_size}")
         need(self.epochs >= 1, "epochs", f"must be at least 1, got {self.epochs}")
         need(self.max_steps >= 0, "max-steps", f"must be 0 (no limit) or positive, got {self.max_steps}")
         need(self.batch_size >= 1, "batch-size", f"must be at least 1, got {self.batch_size}")
         need(self.grad_accum_steps >= 1, "grad-accum-steps", f"must be at least 1, got {self.grad_accum_steps}")
-        need(self.lr > 0 and self.lr == self.lr and self.lr != float("inf"), "lr", f"must be a positive number, got {self.lr}")
+        need(
+            self.lr > 0 and self.lr == self.lr and self.lr != float("inf"),
+            "lr",
+            f"must be a positive number, got {self.lr}",
+        )
         need(0 <= self.weight_decay < float("inf"), "weight-decay", f"must be 0 or positive, got {self.weight_decay}")
         need(self.warmup_steps >= 0, "warmup-steps", f"must be 0 or positive, got {self.warmup_steps}")
         need(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), got {self.dropout}")
         need(self.log_every >= 1, "log-every", f"must be at least 1, got {self.log_every}")
         need(self.eval_every >= 0, "eval-every", f"must be 0 (only at the end) or positive, got {self.eval_every}")
-        need(self.checkpoint_every >= 0, "checkpoint-every", f"must be 0 (never) or positive, got {self.checkpoint_every}")
+        need(
+            self.checkpoint_every >= 0,
+            "checkpoint-every",
+            f"must be 0 (never) or positive, got {self.checkpoint_every}",
+        )
         need(self.keep >= 0, "keep", f"must be 0 (keep all) or positive, got {self.keep}")
         need(self.threads >= 0, "threads", f"must be 0 (automatic) or positive, got {self.threads}")
         need(self.timeout_s >= 1, "timeout-s", f"must be at least 1 second, got {self.timeout_s}")
@@ -156,10 +176,16 @@ class Config:
         need(self.dp >= 1, "dp", f"must be at least 1, got {self.dp}")
         # the built-in data set's size is a flag, so this is known before any worker starts (for the
         # torchvision ones the sampler says the same once the data is loaded)
-        need(self.dataset != "digits" or self.batch_size <= self.train_size, "batch-size",
-             batch_larger_than_data(self.batch_size, self.train_size))
-        need(self.batch_size % self.grad_accum_steps == 0, "grad-accum-steps",
-             f"{self.grad_accum_steps} does not divide --batch-size {self.batch_size}")
+        need(
+            self.dataset != "digits" or self.batch_size <= self.train_size,
+            "batch-size",
+            batch_larger_than_data(self.batch_size, self.train_size),
+        )
+        need(
+            self.batch_size % self.grad_accum_steps == 0,
+            "grad-accum-steps",
+            f"{self.grad_accum_steps} does not divide --batch-size {self.batch_size}",
+        )
         if world_size is not None:
             self.check_world_size(world_size)
         return self
@@ -170,13 +196,16 @@ class Config:
         chunk = self.batch_size // self.grad_accum_steps
         if self.strategy == "pippy":
             if world_size % self.dp:
-                raise ConfigError(f"--dp: {self.dp} does not divide the world size {world_size}; "
-                                  f"use a --dp that divides the number of processes")
+                raise ConfigError(
+                    f"--dp: {self.dp} does not divide the world size {world_size}; "
+                    f"use a --dp that divides the number of processes"
+                )
         if chunk % replicas:
             what = "data-parallel replicas (--dp)" if self.strategy == "pippy" else "processes"
             raise ConfigError(
                 f"--batch-size: the global batch {self.batch_size} (/ --grad-accum-steps {self.grad_accum_steps}) "
-                f"does not split evenly over {replicas} {what}; use a multiple of {replicas * self.grad_accum_steps}")
+                f"does not split evenly over {replicas} {what}; use a multiple of {replicas * self.grad_accum_steps}"
+            )
         if self.strategy == "pippy":
             self.check_pipeline(world_size // self.dp, chunk // replicas)
         if self.strategy == "fsdp" and self.sharding == "hybrid" and (world_size < 2 or world_size % 2):
@@ -188,37 +217,55 @@ class Config:
         often only after the other ranks have started to wait for a message that never comes."""
         m, v = self.n_microbatches, self.stages_per_rank
         if self.schedule in SINGLE_STAGE_SCHEDULES and v != 1:
-            raise ConfigError(f"--stages-per-rank: {self.schedule} runs exactly 1 stage per rank, got {v}; "
-                              f"use interleaved-1f1b, looped-bfs or interleaved-zb for more")
+            raise ConfigError(
+                f"--stages-per-rank: {self.schedule} runs exactly 1 stage per rank, got {v}; "
+                f"use interleaved-1f1b, looped-bfs or interleaved-zb for more"
+            )
         if self.schedule in V_SCHEDULES and v != 2:
-            raise ConfigError(f"--stages-per-rank: {self.schedule} places exactly 2 stages on each rank (in a V); "
-                              f"pass --stages-per-rank 2")
+            raise ConfigError(
+                f"--stages-per-rank: {self.schedule} places exactly 2 stages on each rank (in a V); "
+                f"pass --stages-per-rank 2"
+            )
         if self.schedule not in SINGLE_STAGE_SCHEDULES + V_SCHEDULES and v < 2:
-            raise ConfigError(f"--stages-per-rank: {self.schedule} is a schedule for 2 or more stages per rank, "
-                              f"got {v}; use gpipe or 1f1b for one")
+            raise ConfigError(
+                f"--stages-per-rank: {self.schedule} is a schedule for 2 or more stages per rank, "
+                f"got {v}; use gpipe or 1f1b for one"
+            )
         n_stages = pp_size * v
         if n_stages > PIPELINE_MAX_STAGES:
-            raise ConfigError(f"--stages-per-rank: {pp_size} pipeline ranks x {v} stages per rank = {n_stages} stages, "
-                              f"but BabyCNN can be cut into at most {PIPELINE_MAX_STAGES}; use fewer stages per rank, "
-                              f"a larger --dp or fewer processes")
+            raise ConfigError(
+                f"--stages-per-rank: {pp_size} pipeline ranks x {v} stages per rank = {n_stages} stages, "
+                f"but BabyCNN can be cut into at most {PIPELINE_MAX_STAGES}; use fewer stages per rank, "
+                f"a larger --dp or fewer processes"
+            )
         if replica_batch % m:
-            raise ConfigError(f"--n-microbatches: {m} does not divide each replica's batch of {replica_batch} samples "
-                              f"(--batch-size / --dp / --grad-accum-steps); micro-batches must all have one size")
+            raise ConfigError(
+                f"--n-microbatches: {m} does not divide each replica's batch of {replica_batch} samples "
+                f"(--batch-size / --dp / --grad-accum-steps); micro-batches must all have one size"
+            )
         if self.schedule == "1f1b" and m < n_stages:
-            raise ConfigError(f"--n-microbatches: 1f1b needs at least as many micro-batches as stages ({n_stages}), "
-                              f"got {m}")
+            raise ConfigError(
+                f"--n-microbatches: 1f1b needs at least as many micro-batches as stages ({n_stages}), got {m}"
+            )
         if self.schedule == "dualpipev" and m < n_stages:
-            raise ConfigError(f"--n-microbatches: dualpipev needs at least as many micro-batches as stages "
-                              f"({n_stages} = 2 x {pp_size} ranks), got {m}")
+            raise ConfigError(
+                f"--n-microbatches: dualpipev needs at least as many micro-batches as stages "
+                f"({n_stages} = 2 x {pp_size} ranks), got {m}"
+            )
         rounds = max(1, m // pp_size)
         if self.schedule in ("interleaved-1f1b", "interleaved-zb") and m % rounds:
-            raise ConfigError(f"--n-microbatches: {self.schedule} runs the micro-batches in rounds of about one per "
-                              f"rank ({pp_size}); {m} is not a multiple of its {rounds} rounds; use a multiple of {pp_size}")
+            raise ConfigError(
+                f"--n-microbatches: {self.schedule} runs the micro-batches in rounds of about one per "
+                f"rank ({pp_size}); {m} is not a multiple of its {rounds} rounds; use a multiple of {pp_size}"
+            )
 
     def flags(self) -> dict[str, object]:
         """The settings that are flags of this run's script (for run.json)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name == "strategy" or self.strategy in STRATEGY_FLAGS.get(f.name, STRATEGIES)}
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name == "strategy" or self.strategy in STRATEGY_FLAGS.get(f.name, STRATEGIES)
+        }
 
     def data_parallel_size(self, world_size: int) -> int:
         """How many ranks split each global batch (the pipeline splits it only across its replicas)."""
@@ -226,8 +273,10 @@ class Config:
 
 
 def batch_larger_than_data(batch_size: int, n_samples: int) -> str:
-    return (f"the global batch {batch_size} is larger than the training set ({n_samples} samples); "
-            f"use a smaller batch or more data")
+    return (
+        f"the global batch {batch_size} is larger than the training set ({n_samples} samples); "
+        f"use a smaller batch or more data"
+    )
 
 
 # Flags that exist only in some scripts; all other fields are flags of every script.
@@ -241,51 +290,3 @@ STRATEGY_FLAGS = {
     "stages_per_rank": ("pippy",),
     "dp": ("pippy",),
 }
-
-
-def _field_docs() -> dict[str, str]:
-    """The docstring written under each field of Config, read from this file's source."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(Config)))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
-    return docs
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, no usage block
-        raise ConfigError(f"{message} (see --help)")
-
-
-def build_parser(strategy: str) -> argparse.ArgumentParser:
-    docs = _field_docs()
-    parser = _Parser(prog=f"train_{strategy}.py", description=f"Train BabyCNN with {strategy.upper()}.",
-                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in fields(Config):
-        if not f.metadata.get("cli", True) or strategy not in STRATEGY_FLAGS.get(f.name, STRATEGIES):
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=docs[f.name])
-        else:
-            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            parser.add_argument(flag, type=kind, default=f.default, help=docs[f.name], metavar=f.name.upper())
-    return parser
-
-
-def parse_config(strategy: str, argv: Sequence[str] | None = None, *, world_size: int | None = None) -> Config:
-    """Flags -> validated Config. Raises ConfigError (one line) on any bad flag."""
-    args = build_parser(strategy).parse_args(argv)
-    cfg = Config(strategy=strategy, **vars(args))
-    if not cfg.out:
-        cfg.out = os.path.join("runs", strategy)
-    return cfg.check(world_size=world_size)
-
-
-def fail(message: str) -> NoReturn:
-    """Print one error line and exit 2: what every entry point does with a ConfigError."""
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)

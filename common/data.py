@@ -58,8 +58,15 @@ NORMALISATION = {
 }
 
 
-def load_dataset(name: str, *, data_dir: str = "data", seed: int = 0, train_size: int = 12800,
-                 test_size: int = 2000, download: bool = False) -> DataSet:
+def load_dataset(
+    name: str,
+    *,
+    data_dir: str = "data",
+    seed: int = 0,
+    train_size: int = 12800,
+    test_size: int = 2000,
+    download: bool = False,
+) -> DataSet:
     """Load a data set by name. `download` lets torchvision fetch a missing data set (one process only:
     the runners do it in their preflight, before any worker starts)."""
     mean, std = NORMALISATION[name]
@@ -81,8 +88,9 @@ def _torchvision_split(name: str, data_dir: str, *, train: bool, download: bool)
     return Split(images.contiguous(), torch.as_tensor(ds.targets, dtype=torch.int64))
 
 
-def to_device_batch(split: Split, indices: torch.Tensor, data: DataSet, device: torch.device,
-                    dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def to_device_batch(
+    split: Split, indices: torch.Tensor, data: DataSet, device: torch.device, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather `indices` from `split` and return a normalised (images, labels) pair on `device`.
 
     On CUDA the gathered uint8 batch is pinned, so the host-to-device copy is asynchronous and the CPU
@@ -135,12 +143,12 @@ class GlobalBatchSampler:
     def global_batch(self, step: int) -> torch.Tensor:
         position = (step - 1) % self.steps_per_epoch
         start = position * self.global_batch_size
-        return self.permutation(self.epoch_of(step))[start:start + self.global_batch_size]
+        return self.permutation(self.epoch_of(step))[start : start + self.global_batch_size]
 
     def rank_batch(self, step: int, rank: int, world_size: int) -> torch.Tensor:
         """This rank's contiguous share of step `step`'s global batch (world_size must divide it)."""
         per_rank = self.global_batch_size // world_size
-        return self.global_batch(step)[rank * per_rank:(rank + 1) * per_rank]
+        return self.global_batch(step)[rank * per_rank : (rank + 1) * per_rank]
 
 
 def shard_range(n: int, rank: int, world_size: int) -> range:
@@ -156,32 +164,41 @@ def longest_shard(n: int, world_size: int) -> int:
 # ----------------------------------------------------------------------------- built-in digits
 def _arc(cx: float, cy: float, rx: float, ry: float, start_deg: float, end_deg: float, n: int = 12):
     """Points on an elliptical arc; y grows downwards, angle 0 is to the right, -90 is up."""
-    return [(cx + rx * math.cos(math.radians(a)), cy + ry * math.sin(math.radians(a)))
-            for a in (start_deg + (end_deg - start_deg) * i / n for i in range(n + 1))]
+    return [
+        (cx + rx * math.cos(math.radians(a)), cy + ry * math.sin(math.radians(a)))
+        for a in (start_deg + (end_deg - start_deg) * i / n for i in range(n + 1))
+    ]
 
 
 # Each digit has one or two styles; a style is a list of strokes, a stroke a polyline in the unit square.
 DIGIT_STROKES: dict[int, list[list[list[tuple[float, float]]]]] = {
-    0: [[_arc(0.5, 0.5, 0.26, 0.4, 0, 360, 24)],
-        [_arc(0.5, 0.5, 0.2, 0.4, 0, 360, 24)]],
-    1: [[[(0.5, 0.1), (0.5, 0.9)]],
-        [[(0.33, 0.27), (0.52, 0.1), (0.52, 0.9)], [(0.34, 0.9), (0.7, 0.9)]]],
-    2: [[_arc(0.5, 0.32, 0.25, 0.22, -180, 20), [(0.73, 0.4), (0.25, 0.9), (0.78, 0.9)]],
-        [_arc(0.5, 0.32, 0.24, 0.22, -170, 30) + _arc(0.2, 0.45, 0.55, 0.45, -10, 90), [(0.2, 0.9), (0.8, 0.88)]]],
-    3: [[_arc(0.5, 0.3, 0.24, 0.2, -160, 90), _arc(0.5, 0.7, 0.27, 0.2, -90, 160)],
-        [[(0.25, 0.1), (0.75, 0.1), (0.45, 0.45)], _arc(0.5, 0.68, 0.27, 0.22, -100, 160)]],
-    4: [[[(0.66, 0.9), (0.66, 0.1), (0.2, 0.65), (0.82, 0.65)]],
-        [[(0.3, 0.1), (0.24, 0.58), (0.8, 0.58)], [(0.66, 0.3), (0.66, 0.9)]]],
+    0: [[_arc(0.5, 0.5, 0.26, 0.4, 0, 360, 24)], [_arc(0.5, 0.5, 0.2, 0.4, 0, 360, 24)]],
+    1: [[[(0.5, 0.1), (0.5, 0.9)]], [[(0.33, 0.27), (0.52, 0.1), (0.52, 0.9)], [(0.34, 0.9), (0.7, 0.9)]]],
+    2: [
+        [_arc(0.5, 0.32, 0.25, 0.22, -180, 20), [(0.73, 0.4), (0.25, 0.9), (0.78, 0.9)]],
+        [_arc(0.5, 0.32, 0.24, 0.22, -170, 30) + _arc(0.2, 0.45, 0.55, 0.45, -10, 90), [(0.2, 0.9), (0.8, 0.88)]],
+    ],
+    3: [
+        [_arc(0.5, 0.3, 0.24, 0.2, -160, 90), _arc(0.5, 0.7, 0.27, 0.2, -90, 160)],
+        [[(0.25, 0.1), (0.75, 0.1), (0.45, 0.45)], _arc(0.5, 0.68, 0.27, 0.22, -100, 160)],
+    ],
+    4: [
+        [[(0.66, 0.9), (0.66, 0.1), (0.2, 0.65), (0.82, 0.65)]],
+        [[(0.3, 0.1), (0.24, 0.58), (0.8, 0.58)], [(0.66, 0.3), (0.66, 0.9)]],
+    ],
     5: [[[(0.76, 0.1), (0.32, 0.1), (0.28, 0.46)], _arc(0.5, 0.66, 0.27, 0.24, -125, 155)]],
-    6: [[_arc(0.66, 0.62, 0.38, 0.52, -100, -180), _arc(0.5, 0.68, 0.22, 0.21, 0, 360, 20)],
-        [[(0.68, 0.1), (0.3, 0.62)], _arc(0.5, 0.7, 0.21, 0.19, 0, 360, 20)]],
-    7: [[[(0.2, 0.1), (0.8, 0.1), (0.42, 0.9)]],
-        [[(0.2, 0.12), (0.8, 0.1), (0.45, 0.9)], [(0.38, 0.5), (0.72, 0.5)]]],
+    6: [
+        [_arc(0.66, 0.62, 0.38, 0.52, -100, -180), _arc(0.5, 0.68, 0.22, 0.21, 0, 360, 20)],
+        [[(0.68, 0.1), (0.3, 0.62)], _arc(0.5, 0.7, 0.21, 0.19, 0, 360, 20)],
+    ],
+    7: [[[(0.2, 0.1), (0.8, 0.1), (0.42, 0.9)]], [[(0.2, 0.12), (0.8, 0.1), (0.45, 0.9)], [(0.38, 0.5), (0.72, 0.5)]]],
     8: [[_arc(0.5, 0.29, 0.2, 0.19, 0, 360, 20), _arc(0.5, 0.7, 0.25, 0.21, 0, 360, 20)]],
-    9: [[_arc(0.5, 0.32, 0.22, 0.21, 0, 360, 20), [(0.72, 0.32), (0.64, 0.9)]],
-        [_arc(0.5, 0.32, 0.22, 0.21, 0, 360, 20), _arc(0.22, 0.32, 0.5, 0.58, 0, 80)]],
+    9: [
+        [_arc(0.5, 0.32, 0.22, 0.21, 0, 360, 20), [(0.72, 0.32), (0.64, 0.9)]],
+        [_arc(0.5, 0.32, 0.22, 0.21, 0, 360, 20), _arc(0.22, 0.32, 0.5, 0.58, 0, 80)],
+    ],
 }
-_RENDER = 56            # prototypes are drawn at 2x and sampled down, which anti-aliases the strokes
+_RENDER = 56  # prototypes are drawn at 2x and sampled down, which anti-aliases the strokes
 _WIDTHS = (0.045, 0.065, 0.09)  # stroke half-widths, as a fraction of the image side
 
 
@@ -223,9 +240,13 @@ def make_digits(n: int, *, seed: int, test: bool = False, size: int = 28) -> Spl
     shear = (torch.rand(n, generator=g) - 0.5) * 0.6
     shift = (torch.rand(n, 2, generator=g) - 0.5) * 0.35
     cos, sin = torch.cos(angle), torch.sin(angle)
-    theta = torch.stack([
-        torch.stack([cos * scale_x, (-sin + shear) * scale_x, shift[:, 0]], dim=1),
-        torch.stack([sin * scale_y, cos * scale_y, shift[:, 1]], dim=1)], dim=1)
+    theta = torch.stack(
+        [
+            torch.stack([cos * scale_x, (-sin + shear) * scale_x, shift[:, 0]], dim=1),
+            torch.stack([sin * scale_y, cos * scale_y, shift[:, 1]], dim=1),
+        ],
+        dim=1,
+    )
     grid = F.affine_grid(theta, [n, 1, size, size], align_corners=False)
     # plus a smooth local distortion, like a hand that wobbles
     wobble = (torch.rand(n, 2, 4, 4, generator=g) - 0.5) * 0.22
@@ -234,8 +255,9 @@ def make_digits(n: int, *, seed: int, test: bool = False, size: int = 28) -> Spl
     images = torch.empty(n, 1, size, size)
     for start in range(0, n, 4096):  # chunks bound the memory of the gathered prototypes
         part = slice(start, start + 4096)
-        images[part] = F.grid_sample(prototypes[proto_index[part]], grid[part], mode="bilinear",
-                                     padding_mode="zeros", align_corners=False)
+        images[part] = F.grid_sample(
+            prototypes[proto_index[part]], grid[part], mode="bilinear", padding_mode="zeros", align_corners=False
+        )
     contrast = 0.55 + 0.45 * torch.rand(n, 1, 1, 1, generator=g)
     background = 0.15 * torch.rand(n, 1, 1, 1, generator=g)
     noise = torch.randn(n, 1, size, size, generator=g) * (0.04 + 0.1 * torch.rand(n, 1, 1, 1, generator=g))

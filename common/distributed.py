@@ -10,21 +10,23 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from typing import Callable
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from common.errors import UserError, fail
+
 
 @dataclass
 class DistEnv:
-    rank: int              # this process among all processes (0 .. world_size-1): use it for data and logging
-    local_rank: int        # this process among the ones on its machine: use it to pick the GPU
+    rank: int  # this process among all processes (0 .. world_size-1): use it for data and logging
+    local_rank: int  # this process among the ones on its machine: use it to pick the GPU
     world_size: int
     local_world_size: int
     device: torch.device
-    backend: str           # "nccl" on CUDA, "gloo" on CPU
+    backend: str  # "nccl" on CUDA, "gloo" on CPU
 
     @property
     def is_main(self) -> bool:
@@ -39,12 +41,15 @@ def setup_distributed(*, device: str = "auto", timeout_s: int = 300, threads: in
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
     # The device comes from LOCAL_RANK, never from RANK: on the second machine RANK is 4..7, GPUs 0..3.
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available()
-                                    and torch.cuda.device_count() >= local_world_size)
+    use_cuda = device == "cuda" or (
+        device == "auto" and torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size
+    )
     if use_cuda:
         if torch.cuda.device_count() <= local_rank:
-            raise RuntimeError(f"--device cuda: local rank {local_rank} has no GPU "
-                               f"({torch.cuda.device_count()} visible); launch fewer processes per machine")
+            raise RuntimeError(
+                f"--device cuda: local rank {local_rank} has no GPU "
+                f"({torch.cuda.device_count()} visible); launch fewer processes per machine"
+            )
         torch.cuda.set_device(local_rank)
         dev, backend = torch.device("cuda", local_rank), "nccl"
     else:
@@ -64,10 +69,17 @@ def setup_distributed(*, device: str = "auto", timeout_s: int = 300, threads: in
         # then be read by the new attempt, whose ranks dial dead ports until the timeout. A prefix per
         # attempt keeps the attempts apart.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                              is_master=False, timeout=timeout)
-        dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}/", store), rank=rank,
-                                world_size=world_size, timeout=timeout, device_id=device_id)
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+        )
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"attempt_{attempt}/", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            device_id=device_id,
+        )
     elif "RANK" in os.environ:  # another launcher that sets MASTER_ADDR/PORT (env:// rendezvous)
         dist.init_process_group(backend, timeout=timeout, device_id=device_id)
     else:  # plain `python train_x.py`: a world of one, no port needed
@@ -81,7 +93,7 @@ def keep_freed_memory() -> bool:
     By default glibc serves big allocations (a step's activations: 5 to 20 MB each on the CPU) with mmap
     and unmaps them when freed, or trims the heap top; every step then page-faults its activations in again
     as fresh, zeroed pages: up to 26,000 page faults per step on this project's 2-core reference machine,
-    a third of an fp32 step, and more or less from one launch to the next (python -m common.bench measures
+    a third of an fp32 step, and more or less from one launch to the next (python -m bench measures
     it). A fixed mmap threshold of 32 MiB (glibc's maximum) and a 1 GiB trim threshold keep those pages
     mapped and reused. Returns False where mallopt is not available (macOS, musl): nothing changes there."""
     import ctypes
@@ -151,14 +163,10 @@ def run(main: Callable[[], None]) -> None:
     Bad flags, missing data and unusable checkpoints are the same on every rank, so only rank 0 reports
     them; a non-finite
     loss names the rank that saw it. Anything else is a bug and keeps its traceback."""
-    from common.checkpoint import CheckpointError
-    from common.config import ConfigError, fail
-    from common.preflight import DataMissingError
-
     rank = int(os.environ.get("RANK", 0))
     try:
         main()
-    except (ConfigError, DataMissingError, CheckpointError) as e:
+    except UserError as e:
         if rank == 0:
             fail(str(e))
         raise SystemExit(2) from None

@@ -33,12 +33,14 @@ def _bytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
-def measure_memory(params: Iterable[torch.nn.Parameter], optimizer: torch.optim.Optimizer | None,
-                   device: torch.device) -> dict[str, Any]:
+def measure_memory(
+    params: Iterable[torch.nn.Parameter], optimizer: torch.optim.Optimizer | None, device: torch.device
+) -> dict[str, Any]:
     """Bytes of parameters, gradients and optimizer state this rank holds, measured from its tensors."""
     params = list(params)
-    state = [v for s in (optimizer.state.values() if optimizer else ()) for v in s.values()
-             if isinstance(v, torch.Tensor)]
+    state = [
+        v for s in (optimizer.state.values() if optimizer else ()) for v in s.values() if isinstance(v, torch.Tensor)
+    ]
     return {
         "param_bytes": _bytes(params),
         "grad_bytes": _bytes(p.grad for p in params if p.grad is not None),
@@ -50,8 +52,7 @@ def measure_memory(params: Iterable[torch.nn.Parameter], optimizer: torch.optim.
 class MetricsWriter:
     """Appends records to metrics.jsonl and prints progress; a no-op on every rank but the logging one."""
 
-    def __init__(self, out_dir: str, *, enabled: bool, total_steps: int, log_every: int,
-                 start_step: int = 0) -> None:
+    def __init__(self, out_dir: str, *, enabled: bool, total_steps: int, log_every: int, start_step: int = 0) -> None:
         self.enabled, self.total_steps, self.log_every = enabled, total_steps, log_every
         self.start_step = start_step
         self.started = time.perf_counter()
@@ -76,27 +77,42 @@ class MetricsWriter:
     def train(self, step: int, *, loss: float, lr: float, samples: int, step_time_s: float) -> None:
         self.samples += samples
         self.train_time += step_time_s
-        self.last_train = {"kind": "train", "step": step, "loss": loss, "lr": lr,
-                           "samples_per_s": samples / step_time_s, "step_time_s": step_time_s}
+        self.last_train = {
+            "kind": "train",
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "samples_per_s": samples / step_time_s,
+            "step_time_s": step_time_s,
+        }
         self._write(self.last_train)
         if self.enabled and (step % self.log_every == 0 or step == self.total_steps):
             done = step - self.start_step
             eta = (time.perf_counter() - self.started) / done * (self.total_steps - step)
-            print(f"step {step:>5}/{self.total_steps} | loss {loss:.4f} | lr {lr:.2e} | "
-                  f"{self.samples / self.train_time:7.0f} samples/s | ETA {_clock(eta)}", flush=True)
+            print(
+                f"step {step:>5}/{self.total_steps} | loss {loss:.4f} | lr {lr:.2e} | "
+                f"{self.samples / self.train_time:7.0f} samples/s | ETA {_clock(eta)}",
+                flush=True,
+            )
 
     def eval(self, step: int, *, test_loss: float, test_accuracy: float) -> None:
         self.last_eval = {"kind": "eval", "step": step, "test_loss": test_loss, "test_accuracy": test_accuracy}
         self._write(self.last_eval)
         if self.enabled:
-            print(f"eval  {step:>5}/{self.total_steps} | test loss {test_loss:.4f} | "
-                  f"test accuracy {100 * test_accuracy:.2f}%", flush=True)
+            print(
+                f"eval  {step:>5}/{self.total_steps} | test loss {test_loss:.4f} | "
+                f"test accuracy {100 * test_accuracy:.2f}%",
+                flush=True,
+            )
 
     def final(self) -> dict[str, Any]:
-        return {"train_loss": self.last_train.get("loss"), "test_loss": self.last_eval.get("test_loss"),
-                "test_accuracy": self.last_eval.get("test_accuracy"),
-                "samples_per_s": self.samples / self.train_time if self.train_time else None,
-                "wall_time_s": time.perf_counter() - self.started}
+        return {
+            "train_loss": self.last_train.get("loss"),
+            "test_loss": self.last_eval.get("test_loss"),
+            "test_accuracy": self.last_eval.get("test_accuracy"),
+            "samples_per_s": self.samples / self.train_time if self.train_time else None,
+            "wall_time_s": time.perf_counter() - self.started,
+        }
 
     def close(self) -> None:
         if self._file:

@@ -21,31 +21,38 @@ class BabyCNN(nn.Sequential):
           -flatten-> [B, 9216] -fc1-> [B, 128] -fc2-> [B, classes]
     """
 
-    def __init__(self, *, in_channels: int = 1, image_size: int = 28, num_classes: int = 10,
-                 dropout: float = 0.0) -> None:
+    def __init__(
+        self, *, in_channels: int = 1, image_size: int = 28, num_classes: int = 10, dropout: float = 0.0
+    ) -> None:
         conv_size = image_size - 4  # two 3x3 convolutions without padding
         pooled = conv_size // 2
-        super().__init__(OrderedDict([
-            ("conv1", nn.Conv2d(in_channels, 32, kernel_size=3)),
-            ("relu1", nn.ReLU()),
-            ("conv2", nn.Conv2d(32, 64, kernel_size=3)),
-            ("norm", nn.LayerNorm([64, conv_size, conv_size])),
-            ("relu2", nn.ReLU()),
-            ("pool", nn.MaxPool2d(2)),
-            ("flatten", nn.Flatten()),
-            ("fc1", nn.Linear(64 * pooled * pooled, 128)),
-            ("dropout", nn.Dropout(dropout)),
-            ("relu3", nn.ReLU()),
-            ("fc2", nn.Linear(128, num_classes)),
-        ]))
+        super().__init__(
+            OrderedDict(
+                [
+                    ("conv1", nn.Conv2d(in_channels, 32, kernel_size=3)),
+                    ("relu1", nn.ReLU()),
+                    ("conv2", nn.Conv2d(32, 64, kernel_size=3)),
+                    ("norm", nn.LayerNorm([64, conv_size, conv_size])),
+                    ("relu2", nn.ReLU()),
+                    ("pool", nn.MaxPool2d(2)),
+                    ("flatten", nn.Flatten()),
+                    ("fc1", nn.Linear(64 * pooled * pooled, 128)),
+                    ("dropout", nn.Dropout(dropout)),
+                    ("relu3", nn.ReLU()),
+                    ("fc2", nn.Linear(128, num_classes)),
+                ]
+            )
+        )
 
 
 # BabyCNN's two blocks, by layer name: what `train_fsdp.py --shard-units blocks` shards as one unit each
 # (one all-gather, one reduce-scatter per block). fc1 holds 93% of the parameters, so sharding layer by
 # layer would gather almost the same peak of full weights while paying 2.5x the collectives. For the same
 # reason the default is the whole model as one unit (--shard-units model): two collectives per step.
-BLOCKS = {"features": ("conv1", "relu1", "conv2", "norm", "relu2", "pool"),
-          "classifier": ("flatten", "fc1", "dropout", "relu3", "fc2")}
+BLOCKS = {
+    "features": ("conv1", "relu1", "conv2", "norm", "relu2", "pool"),
+    "classifier": ("flatten", "fc1", "dropout", "relu3", "fc2"),
+}
 
 
 def blocks(model: BabyCNN) -> dict[str, list[nn.Module]]:
@@ -89,6 +96,7 @@ def split_model(model: BabyCNN, n_stages: int) -> list[nn.Sequential]:
         raise ValueError(f"BabyCNN can be cut into 1 to {MAX_STAGES} stages, not {n_stages}")
     names = list(model._modules)
     starts = [names.index(name) for name in STAGE_STARTS[n_stages]] + [len(names)]
-    return [nn.Sequential(OrderedDict((name, model._modules[name]) for name in names[a:b]))
-            for a, b in zip(starts, starts[1:])]
-
+    return [
+        nn.Sequential(OrderedDict((name, model._modules[name]) for name in names[a:b]))
+        for a, b in zip(starts, starts[1:])
+    ]

@@ -18,20 +18,27 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                          ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZBVZeroBubble)
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
 
 from common.config import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
 from common.data import DataSet, Split, longest_shard, shard_range, to_device_batch
 
 SCHEDULE_CLASSES = {
-    "gpipe": ScheduleGPipe,                          # all forwards, then all backwards (fill, drain)
-    "1f1b": Schedule1F1B,                            # one forward, one backward in the steady state
-    "interleaved-1f1b": ScheduleInterleaved1F1B,     # 1F1B over several (looped) stages per rank
-    "looped-bfs": ScheduleLoopedBFS,                 # breadth first: all micro-batches of a stage at once
-    "interleaved-zb": ScheduleInterleavedZeroBubble, # backward split in input and weight parts (ZB1P)
-    "zbv": ScheduleZBVZeroBubble,                    # zero bubble, stages placed in a V
-    "dualpipev": ScheduleDualPipeV,                  # DeepSeek's DualPipe, V placement
+    "gpipe": ScheduleGPipe,  # all forwards, then all backwards (fill, drain)
+    "1f1b": Schedule1F1B,  # one forward, one backward in the steady state
+    "interleaved-1f1b": ScheduleInterleaved1F1B,  # 1F1B over several (looped) stages per rank
+    "looped-bfs": ScheduleLoopedBFS,  # breadth first: all micro-batches of a stage at once
+    "interleaved-zb": ScheduleInterleavedZeroBubble,  # backward split in input and weight parts (ZB1P)
+    "zbv": ScheduleZBVZeroBubble,  # zero bubble, stages placed in a V
+    "dualpipev": ScheduleDualPipeV,  # DeepSeek's DualPipe, V placement
 }
 
 
@@ -68,8 +75,11 @@ def build_schedule(name: str, stages: list, n_microbatches: int, loss_fn: Callab
 
 def describe_cut(pieces: Sequence[nn.Module], owner: Callable[[int], int]) -> list[str]:
     """One line per stage: which layers it runs, on which pipeline rank, with how many parameters."""
-    return [f"  stage {i} on pipeline rank {owner(i)}: {', '.join(piece._modules)} "
-            f"({sum(p.numel() for p in piece.parameters()):,} parameters)" for i, piece in enumerate(pieces)]
+    return [
+        f"  stage {i} on pipeline rank {owner(i)}: {', '.join(piece._modules)} "
+        f"({sum(p.numel() for p in piece.parameters()):,} parameters)"
+        for i, piece in enumerate(pieces)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- the bubble
@@ -86,15 +96,16 @@ class BubbleMeter:
 
     def __init__(self, stages: Sequence, device: torch.device) -> None:
         self.busy_s = 0.0
-        self.order: list[Action] = []       # the current step's actions, in execution order
+        self.order: list[Action] = []  # the current step's actions, in execution order
         self.last_order: list[Action] = []
         self.windows: list[tuple[float, float]] = []  # per step: (busy_s, window_s)
         self.cost_s: dict[tuple[int, str], list[float]] = defaultdict(lambda: [0.0, 0])  # (stage, kind) -> [s, n]
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         for stage in stages:
             stage.forward_one_chunk = self._timed(stage, stage.forward_one_chunk, lambda kw: "F")
-            stage.backward_one_chunk = self._timed(stage, stage.backward_one_chunk,
-                                                   lambda kw: "B" if kw.get("full_backward", True) else "I")
+            stage.backward_one_chunk = self._timed(
+                stage, stage.backward_one_chunk, lambda kw: "B" if kw.get("full_backward", True) else "I"
+            )
             stage.backward_weight_one_chunk = self._timed(stage, stage.backward_weight_one_chunk, lambda kw: "W")
 
     def _timed(self, stage, method: Callable, kind_of: Callable[[dict], str]) -> Callable:
@@ -113,6 +124,7 @@ class BubbleMeter:
                     self.order.append((stage.stage_index, kind, chunk_id))
                     self.cost_s[stage.stage_index, kind][0] += seconds
                     self.cost_s[stage.stage_index, kind][1] += 1
+
         return timed
 
     def end_step(self, started: float) -> None:
@@ -122,8 +134,17 @@ class BubbleMeter:
             self.cost_s.clear()  # the first step also sets the pipeline up: its times are not typical
         self.busy_s, self.last_order, self.order = 0.0, self.order, []
 
-    def report(self, out_dir: str, *, write: bool, pp_size: int, n_stages: int, n_microbatches: int,
-               schedule: str, first_step: int) -> dict | None:
+    def report(
+        self,
+        out_dir: str,
+        *,
+        write: bool,
+        pp_size: int,
+        n_stages: int,
+        n_microbatches: int,
+        schedule: str,
+        first_step: int,
+    ) -> dict | None:
         """Every rank calls this (it gathers). The rank with `write` gets run.json's bubble section and
         writes <out>/bubble.jsonl, both from the pipeline ranks of replica 0 (the others run alike)."""
         timing: list = [None] * dist.get_world_size()
@@ -134,18 +155,29 @@ class BubbleMeter:
         windows, orders, costs = (list(x) for x in zip(*timing[:pp_size]))
         with open(os.path.join(out_dir, "bubble.jsonl"), "w") as f:  # per step, index = pipeline rank
             for i, step in enumerate(zip(*windows)):
-                f.write(json.dumps({"step": first_step + i, "busy_s": [round(b, 6) for b, _ in step],
-                                    "idle_s": [round(w - b, 6) for b, w in step]}) + "\n")
-        return bubble_report(windows, orders, costs, pp_size=pp_size, n_stages=n_stages,
-                             n_microbatches=n_microbatches, name=schedule)
+                f.write(
+                    json.dumps(
+                        {
+                            "step": first_step + i,
+                            "busy_s": [round(b, 6) for b, _ in step],
+                            "idle_s": [round(w - b, 6) for b, w in step],
+                        }
+                    )
+                    + "\n"
+                )
+        return bubble_report(
+            windows, orders, costs, pp_size=pp_size, n_stages=n_stages, n_microbatches=n_microbatches, name=schedule
+        )
 
 
 def bubble_summary(report: dict) -> str:
     """The console line."""
-    return (f"bubble: {100 * report['measured']:.0f}% of the pipeline's time idle | theory with balanced stages "
-            f"{100 * report['theory']:.0f}%, with these stages' measured times "
-            f"{100 * report['expected_from_stage_times']:.0f}% | busy share per rank "
-            f"{' '.join(f'{100 * b:.0f}%' for b in report['busy_fraction_per_rank'])}")
+    return (
+        f"bubble: {100 * report['measured']:.0f}% of the pipeline's time idle | theory with balanced stages "
+        f"{100 * report['theory']:.0f}%, with these stages' measured times "
+        f"{100 * report['expected_from_stage_times']:.0f}% | busy share per rank "
+        f"{' '.join(f'{100 * b:.0f}%' for b in report['busy_fraction_per_rank'])}"
+    )
 
 
 def simulate_bubble(orders: Sequence[Sequence[Action]], cost: Callable[[int, str], float]) -> float:
@@ -191,9 +223,16 @@ def simulate_bubble(orders: Sequence[Sequence[Action]], cost: Callable[[int, str
     return 1 - sum(busy) / (len(orders) * max(free))
 
 
-def bubble_report(windows: list[list[tuple[float, float]]], orders: list[list[Action]],
-                  costs: list[dict[str, float]], *, pp_size: int, n_microbatches: int, n_stages: int,
-                  name: str) -> dict:
+def bubble_report(
+    windows: list[list[tuple[float, float]]],
+    orders: list[list[Action]],
+    costs: list[dict[str, float]],
+    *,
+    pp_size: int,
+    n_microbatches: int,
+    n_stages: int,
+    name: str,
+) -> dict:
     """run.json's bubble section, from each pipeline rank of one replica: its per-step (busy_s, window_s)
     (the first step, which also sets up the pipeline, is left out), the order of its last step's actions,
     and its mean seconds per (stage, kind) of action."""
@@ -211,25 +250,37 @@ def bubble_report(windows: list[list[tuple[float, float]]], orders: list[list[Ac
     return {
         "measured": 1 - sum(busy) / sum(window),
         "theory": simulate_bubble(orders, lambda stage, kind: BALANCED_COST[kind]),
-        "formula": formula, "formula_value": value,
+        "formula": formula,
+        "formula_value": value,
         "expected_from_stage_times": simulate_bubble(orders, lambda stage, kind: measured_cost[f"{stage}{kind}"]),
         "busy_fraction_per_rank": [b / w for b, w in zip(busy, window)],
         "seconds_per_action": measured_cost,
-        "steps_measured": len(steps), "p": p, "m": m, "v": v,
+        "steps_measured": len(steps),
+        "p": p,
+        "m": m,
+        "v": v,
         "definition": "measured = 1 - sum(busy) / sum(window) over the pipeline ranks of replica 0 and the "
-                      "steps after the first; busy = time in stage forward/backward, window = from the start "
-                      "of a step to the end of its loss all-reduce. theory = the idle share of the same "
-                      "action order with balanced stages (forward 1, backward 2, input/weight backward 1 "
-                      "each); expected_from_stage_times = the same with each action's measured mean time, "
-                      "i.e. the bubble that stage imbalance alone explains.",
+        "steps after the first; busy = time in stage forward/backward, window = from the start "
+        "of a step to the end of its loss all-reduce. theory = the idle share of the same "
+        "action order with balanced stages (forward 1, backward 2, input/weight backward 1 "
+        "each); expected_from_stage_times = the same with each action's measured mean time, "
+        "i.e. the bubble that stage imbalance alone explains.",
     }
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
 @torch.no_grad()
-def evaluate_pipeline(forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None], split: Split,
-                      data: DataSet, *, replica: int, dp: int, batch_size: int, device: torch.device,
-                      dtype: torch.dtype = torch.float32) -> tuple[float, float]:
+def evaluate_pipeline(
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None],
+    split: Split,
+    data: DataSet,
+    *,
+    replica: int,
+    dp: int,
+    batch_size: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[float, float]:
     """(test loss, test accuracy) over the whole of `split`, run through the pipeline.
 
     Replica r evaluates its contiguous shard of the test set in batches of exactly `batch_size` (the
@@ -268,9 +319,18 @@ def stage_output_shapes(pieces: Sequence[nn.Module], example: torch.Tensor) -> l
 
 
 @torch.no_grad()
-def forward_stage_by_stage(modules: dict[int, nn.Module], images: torch.Tensor | None, *, owner: Callable[[int], int],
-                           pp_rank: int, n_stages: int, shapes: list[tuple[int, ...]], batch_size: int,
-                           group: dist.ProcessGroup, device: torch.device) -> torch.Tensor | None:
+def forward_stage_by_stage(
+    modules: dict[int, nn.Module],
+    images: torch.Tensor | None,
+    *,
+    owner: Callable[[int], int],
+    pp_rank: int,
+    n_stages: int,
+    shapes: list[tuple[int, ...]],
+    batch_size: int,
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> torch.Tensor | None:
     """Forward one batch through every stage in order, without a schedule: each rank runs the stages it
     holds and sends the activation on with a plain send/recv when the next stage lives elsewhere. Used
     for the V schedules, whose forward-only `schedule.eval()` fails on this torch. Activations travel in

@@ -13,26 +13,35 @@ import os
 import sys
 from typing import Sequence
 
-from common.config import STRATEGIES, ConfigError, fail, parse_config
+from common.cli import parse_config
+from common.config import STRATEGIES, ConfigError
+from common.errors import UserError, fail
 
 
-class DataMissingError(RuntimeError):
+class DataMissingError(UserError, RuntimeError):
     """A torchvision data set is neither on disk nor downloadable."""
 
 
 # The files torchvision looks for, relative to --data-dir.
 EXPECTED_FILES = {
     "mnist": [f"MNIST/raw/{s}-{k}-ubyte" for s in ("train", "t10k") for k in ("images-idx3", "labels-idx1")],
-    "fashion-mnist": [f"FashionMNIST/raw/{s}-{k}-ubyte" for s in ("train", "t10k") for k in ("images-idx3", "labels-idx1")],
-    "cifar10": [f"cifar-10-batches-py/{f}" for f in ("batches.meta", "test_batch", *(f"data_batch_{i}" for i in range(1, 6)))],
+    "fashion-mnist": [
+        f"FashionMNIST/raw/{s}-{k}-ubyte" for s in ("train", "t10k") for k in ("images-idx3", "labels-idx1")
+    ],
+    "cifar10": [
+        f"cifar-10-batches-py/{f}" for f in ("batches.meta", "test_batch", *(f"data_batch_{i}" for i in range(1, 6)))
+    ],
 }
 
 
 def torchvision_dataset(name: str):
     import torchvision  # imported here only: it costs seconds, and the built-in data set does not need it
 
-    return {"mnist": torchvision.datasets.MNIST, "fashion-mnist": torchvision.datasets.FashionMNIST,
-            "cifar10": torchvision.datasets.CIFAR10}[name]
+    return {
+        "mnist": torchvision.datasets.MNIST,
+        "fashion-mnist": torchvision.datasets.FashionMNIST,
+        "cifar10": torchvision.datasets.CIFAR10,
+    }[name]
 
 
 def data_present(name: str, data_dir: str) -> bool:
@@ -43,8 +52,10 @@ def missing_data_message(name: str, data_dir: str, *, reason: str = "") -> str:
     where = os.path.join(data_dir, os.path.dirname(EXPECTED_FILES[name][0]))
     names = ", ".join(os.path.basename(f) for f in EXPECTED_FILES[name])
     because = f" ({reason})" if reason else ""
-    return (f"--data-dir: {name} is not in {data_dir!r} and could not be downloaded{because}; "
-            f"put {names} in {where}/ or run once with network access")
+    return (
+        f"--data-dir: {name} is not in {data_dir!r} and could not be downloaded{because}; "
+        f"put {names} in {where}/ or run once with network access"
+    )
 
 
 def ensure_data(name: str, data_dir: str) -> None:
@@ -71,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     strategy, rest = argv[0], argv[1:]
     i = rest.index("--world-size")
     world_size = int(rest[i + 1])
-    del rest[i:i + 2]
+    del rest[i : i + 2]
     if "-h" in rest or "--help" in rest:
         return  # the training script prints the help
     try:

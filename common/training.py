@@ -20,7 +20,7 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: Config) -> torch.
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
     # fused: one kernel per parameter tensor instead of a dozen elementwise passes over memory (CPU and CUDA;
-    # python -m common.bench measures what it gains)
+    # python -m bench measures what it gains)
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
 
 
@@ -60,9 +60,17 @@ def check_finite(loss: float, step: int) -> None:
 
 
 @torch.no_grad()
-def evaluate(forward: Callable[[torch.Tensor], torch.Tensor], split: Split, data: DataSet, *, rank: int,
-             world_size: int, device: torch.device, batch_size: int = 500,
-             dtype: torch.dtype = torch.float32) -> tuple[float, float]:
+def evaluate(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    split: Split,
+    data: DataSet,
+    *,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    batch_size: int = 500,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[float, float]:
     """(test loss, test accuracy) over the whole of `split`.
 
     Each rank evaluates its contiguous shard; sums of losses and hits are reduced across ranks, so the
@@ -86,10 +94,16 @@ def evaluate(forward: Callable[[torch.Tensor], torch.Tensor], split: Split, data
 
 def describe_run(cfg: Config, env: DistEnv, **extra: Any) -> dict[str, Any]:
     """The identity of a run, for run.json: what ran, where, and with which settings."""
-    return {"strategy": cfg.strategy, "world_size": env.world_size, "backend": env.backend,
-            "device": env.device.type, "torch_version": torch.__version__,
-            "threads_per_process": torch.get_num_threads() if env.device.type == "cpu" else None,
-            "config": cfg.flags(), **extra}
+    return {
+        "strategy": cfg.strategy,
+        "world_size": env.world_size,
+        "backend": env.backend,
+        "device": env.device.type,
+        "torch_version": torch.__version__,
+        "threads_per_process": torch.get_num_threads() if env.device.type == "cpu" else None,
+        "config": cfg.flags(),
+        **extra,
+    }
 
 
 def gather_memory(memory: dict[str, Any], rank: int) -> list[dict[str, Any]]:

@@ -26,8 +26,19 @@ PARITY_STEPS = 30
 # positions) turn ~1e-7 summation-order differences into visible weight differences, which then grow from
 # step to step: at --lr 2e-3 even 1- and 2-thread single-process runs drift apart (past 1e-4 by step 50,
 # ~6e-3 within 100 steps); at 1e-4, over 30 steps, 1, 2, 3 and 4 ranks agree to ~1e-6 (measured here).
-PARITY = [*SMALL, "--dropout", "0", "--max-steps", str(PARITY_STEPS), "--batch-size", "96", "--warmup-steps", "4",
-          "--lr", "1e-4"]
+PARITY = [
+    *SMALL,
+    "--dropout",
+    "0",
+    "--max-steps",
+    str(PARITY_STEPS),
+    "--batch-size",
+    "96",
+    "--warmup-steps",
+    "4",
+    "--lr",
+    "1e-4",
+]
 # PARITY, cut to what the ~20 pipeline trainings can afford: 20 steps of a global batch of 48
 PP_PARITY = [*PARITY, "--max-steps", "20", "--batch-size", "48"]
 # SGD (momentum 0.9) at a learning rate where the 1-process run is itself stable across thread counts:
@@ -42,13 +53,15 @@ def env_for_tests() -> dict[str, str]:
     return env
 
 
-def run_command(cmd: list[str], *, timeout: float = LAUNCH_TIMEOUT_S, env: dict[str, str] | None = None,
-                check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=ROOT, env=env or env_for_tests(), capture_output=True, text=True,
-                          timeout=timeout)
+def run_command(
+    cmd: list[str], *, timeout: float = LAUNCH_TIMEOUT_S, env: dict[str, str] | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=ROOT, env=env or env_for_tests(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}"
-                             f"\n--- stderr\n{proc.stderr[-5000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}"
+            f"\n--- stderr\n{proc.stderr[-5000:]}"
+        )
     return proc
 
 
@@ -94,21 +107,22 @@ def rewind(src: Path, dst: Path, step: int) -> Path:
     checkpoints up to that step and the metrics records up to it."""
     (dst / "checkpoints").mkdir(parents=True)
     for checkpoint in (src / "checkpoints").glob("step_???????"):
-        if int(checkpoint.name[len("step_"):]) <= step:
+        if int(checkpoint.name[len("step_") :]) <= step:
             shutil.copytree(checkpoint, dst / "checkpoints" / checkpoint.name)
     lines = (src / "metrics.jsonl").read_text().splitlines(keepends=True)
     (dst / "metrics.jsonl").write_text("".join(line for line in lines if json.loads(line)["step"] <= step))
     return dst
 
 
-def run_many(runs: dict[Path, tuple[str, list[str]]], nproc: int, *,
-             timeout: float = 2 * LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
+def run_many(
+    runs: dict[Path, tuple[str, list[str]]], nproc: int, *, timeout: float = 2 * LAUNCH_TIMEOUT_S
+) -> subprocess.CompletedProcess:
     """Several trainings {out: (strategy, flags)} one after another in ONE launch of nproc processes (torchrun;
-    plain python for one): tests/workers/runs.py runs the real train_<strategy>.train for each."""
+    plain python for one): tests/integration/workers/runs.py runs the real train_<strategy>.train for each."""
     spec = Path(tempfile.mkstemp(suffix=".json", prefix="runs-", dir=next(iter(runs)).parent)[1])
     spec.write_text(json.dumps({str(out): [strategy, flags] for out, (strategy, flags) in runs.items()}))
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
-    return run_command([sys.executable, *launcher, "tests/workers/runs.py", str(spec)], timeout=timeout)
+    return run_command([sys.executable, *launcher, "tests/integration/workers/runs.py", str(spec)], timeout=timeout)
 
 
 # ------------------------------------------------------------------------------------ killing a worker
@@ -137,12 +151,25 @@ def last_logged_step(out: Path) -> int:
 
 
 def start_runner(strategy: str, flags: list[str], out: Path, **env: str) -> subprocess.Popen:
-    return subprocess.Popen(["bash", f"run_{strategy}.sh", *flags, "--out", str(out)], cwd=ROOT,
-                            env={**env_for_tests(), **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        ["bash", f"run_{strategy}.sh", *flags, "--out", str(out)],
+        cwd=ROOT,
+        env={**env_for_tests(), **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
-def kill_a_worker_when(runner: subprocess.Popen, out: Path, nproc: int, ready: Callable[[], bool], *,
-                       poll_s: float = 0.002, timeout_s: float = LAUNCH_TIMEOUT_S) -> tuple[int, str]:
+def kill_a_worker_when(
+    runner: subprocess.Popen,
+    out: Path,
+    nproc: int,
+    ready: Callable[[], bool],
+    *,
+    poll_s: float = 0.002,
+    timeout_s: float = LAUNCH_TIMEOUT_S,
+) -> tuple[int, str]:
     """SIGKILL the highest-ranked of the `nproc` training workers of `runner` as soon as `ready()` holds;
     then wait for the runner to end. Returns (the killed rank, everything the runner printed)."""
     deadline = time.monotonic() + timeout_s
@@ -155,7 +182,9 @@ def kill_a_worker_when(runner: subprocess.Popen, out: Path, nproc: int, ready: C
                 break
             time.sleep(poll_s)
         else:
-            raise AssertionError(f"the run ended or timed out before it could be killed:\n{runner.communicate()[0][-3000:]}")
+            raise AssertionError(
+                f"the run ended or timed out before it could be killed:\n{runner.communicate()[0][-3000:]}"
+            )
         victim, rank = max(workers.items(), key=lambda item: item[1])
         os.kill(victim, signal.SIGKILL)
         return rank, runner.communicate(timeout=timeout_s)[0]

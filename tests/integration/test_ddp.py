@@ -8,9 +8,23 @@ import sys
 
 import pytest
 
-from tests.helpers import (PARITY, PARITY_STEPS, ROOT, SGD, env_for_tests, kill_a_worker_when, last_logged_step,
-                           launch, losses, max_abs_diff, read_metrics, read_run, run_command, run_many,
-                           start_runner)
+from tests.helpers import (
+    PARITY,
+    PARITY_STEPS,
+    ROOT,
+    SGD,
+    env_for_tests,
+    kill_a_worker_when,
+    last_logged_step,
+    launch,
+    losses,
+    max_abs_diff,
+    read_metrics,
+    read_run,
+    run_command,
+    run_many,
+    start_runner,
+)
 
 TEN = ["--checkpoint-every", "10"]  # checkpoints after steps 10, 20 and 30
 
@@ -23,11 +37,18 @@ def runs(tmp_path_factory, references):
     out = {name: root / name for name in ("ddp4", "sgd4", "ddp3_accum", "runner2")}
     out.update(references)
     # two trainings in one launch of 4 processes (tests/workers/runs.py): start-up costs more than a run
-    run_many({out["ddp4"]: ("ddp", PARITY),
-              # 2001 test images: shards of 500, 500, 500 and 501, so the last rank needs one batch more
-              out["sgd4"]: ("ddp", [*PARITY, *SGD, "--checkpoint-every", "6", "--keep", "2", "--test-size", "2001"])}, 4)
+    run_many(
+        {
+            out["ddp4"]: ("ddp", PARITY),
+            # 2001 test images: shards of 500, 500, 500 and 501, so the last rank needs one batch more
+            out["sgd4"]: ("ddp", [*PARITY, *SGD, "--checkpoint-every", "6", "--keep", "2", "--test-size", "2001"]),
+        },
+        4,
+    )
     launch("train_ddp.py", 3, [*PARITY, "--grad-accum-steps", "2"], out["ddp3_accum"])
-    run_command(["bash", "run_ddp.sh", *PARITY, *TEN, "--out", str(out["runner2"])], env={**env_for_tests(), "NPROC": "2"})
+    run_command(
+        ["bash", "run_ddp.sh", *PARITY, *TEN, "--out", str(out["runner2"])], env={**env_for_tests(), "NPROC": "2"}
+    )
     return out
 
 
@@ -101,8 +122,17 @@ def test_a_sigkilled_worker_is_restarted_and_the_run_finishes_unchanged(runs, tm
 
 
 def test_ranks_share_weights_but_not_dropout_masks():
-    proc = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-                        "tests/workers/seeding.py"])
+    proc = run_command(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "3",
+            "tests/workers/seeding.py",
+        ]
+    )
     assert "seeding ok on 3 ranks" in proc.stdout
 
 
@@ -128,8 +158,12 @@ BAD_INPUT = [
 
 @pytest.mark.parametrize("flags,env,named", BAD_INPUT, ids=[str(b[2]) + str(i) for i, b in enumerate(BAD_INPUT)])
 def test_runner_rejects_bad_input_with_one_line(flags, env, named, tmp_path):
-    proc = run_command(["bash", "run_ddp.sh", *flags, "--out", str(tmp_path / "out")],
-                       env={**env_for_tests(), **env}, check=False, timeout=60)
+    proc = run_command(
+        ["bash", "run_ddp.sh", *flags, "--out", str(tmp_path / "out")],
+        env={**env_for_tests(), **env},
+        check=False,
+        timeout=60,
+    )
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and named in lines[0], proc.stderr
@@ -148,7 +182,8 @@ def test_a_data_set_smaller_than_one_global_batch_is_one_line(tmp_path):
 def test_plain_python_rejects_bad_input_with_one_line(tmp_path):
     proc = run_command([sys.executable, "train_ddp.py", "--lr", "-1", "--out", str(tmp_path)], check=False, timeout=60)
     assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [
-        "error: --lr: must be a positive number, got -1.0"]
+        "error: --lr: must be a positive number, got -1.0"
+    ]
 
 
 def test_help_lists_flags_with_their_docs():
@@ -180,6 +215,7 @@ def test_a_truncated_checkpoint_is_detected_and_skipped_loudly(runs, tmp_path):
 def test_resume_skips_a_corrupted_checkpoint_and_continues_exactly(runs, tmp_path):
     """--resume in a new launch: the newest checkpoint (step 30) fails its checksum, so the run resumes from
     step 20 and repeats steps 21-30 of the uninterrupted run."""
+
     def flip_a_byte(f):
         data = bytearray(f.read_bytes())
         data[len(data) // 2] ^= 0xFF
@@ -214,8 +250,12 @@ def test_two_torchrun_agents_reproduce_the_single_agent_curve(runs, tmp_path):
         port = s.getsockname()[1]
     env = {**env_for_tests(), "NNODES": "2", "NPROC": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     cmd = ["bash", "run_ddp.sh", *PARITY, "--max-steps", "12", "--out", str(tmp_path / "out")]
-    agents = [subprocess.Popen(cmd, env={**env, "NODE_RANK": str(n)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, cwd=ROOT) for n in (0, 1)]
+    agents = [
+        subprocess.Popen(
+            cmd, env={**env, "NODE_RANK": str(n)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
+        )
+        for n in (0, 1)
+    ]
     try:
         outputs = [agent.communicate(timeout=240)[0] for agent in agents]
     finally:
@@ -227,11 +267,17 @@ def test_two_torchrun_agents_reproduce_the_single_agent_curve(runs, tmp_path):
 
 
 def test_a_diverging_run_stops_naming_the_step_and_keeps_its_last_checkpoint(tmp_path):
-    proc = launch("train_ddp.py", 2, [*PARITY, "--optimizer", "sgd", "--lr", "1e30", "--warmup-steps", "0",
-                                      "--checkpoint-every", "1"], tmp_path, check=False)
+    proc = launch(
+        "train_ddp.py",
+        2,
+        [*PARITY, "--optimizer", "sgd", "--lr", "1e30", "--warmup-steps", "0", "--checkpoint-every", "1"],
+        tmp_path,
+        check=False,
+    )
     assert proc.returncode != 0
-    assert re.search(r"\[rank \d\] error: the (loss is nan|loss is inf|weights are not finite) (at|after) step \d+",
-                     proc.stderr), proc.stderr[-2000:]
+    assert re.search(
+        r"\[rank \d\] error: the (loss is nan|loss is inf|weights are not finite) (at|after) step \d+", proc.stderr
+    ), proc.stderr[-2000:]
     from common.checkpoint import latest_checkpoint
 
     assert latest_checkpoint(str(tmp_path)) is not None, "the last good checkpoint must survive"

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from common.config import parse_config
+from common.cli import parse_config
 from common.distributed import setup_distributed, teardown_distributed
 
 

@@ -13,7 +13,11 @@ def references(tmp_path_factory):
     tolerance. `pipeline` is the smaller run the pipeline tests compare with, with a checkpoint after
     step 12 for a pipeline to resume."""
     root = tmp_path_factory.mktemp("references")
-    runs = {"adamw": PARITY, "sgd": [*PARITY, *SGD, "--threads", "2"], "sgd_1thread": [*PARITY, *SGD, "--threads", "1"],
-            "pipeline": [*PP_PARITY, "--checkpoint-every", "12"]}
+    runs = {
+        "adamw": PARITY,
+        "sgd": [*PARITY, *SGD, "--threads", "2"],
+        "sgd_1thread": [*PARITY, *SGD, "--threads", "1"],
+        "pipeline": [*PP_PARITY, "--checkpoint-every", "12"],
+    }
     run_many({root / name: ("ddp", flags) for name, flags in runs.items()}, 1)
     return {name: root / name for name in runs}

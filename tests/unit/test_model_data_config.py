@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from common.config import SCHEDULES, Config, ConfigError, build_parser, parse_config
+from common.cli import build_parser, parse_config
+from common.config import SCHEDULES, Config, ConfigError
 from common.data import GlobalBatchSampler, longest_shard, make_digits, shard_range
 from common.model import MAX_STAGES, STAGE_STARTS, BabyCNN, build_model, split_model
 
@@ -23,7 +24,7 @@ def test_initial_weights_depend_on_the_seed_alone():
     torch.rand(100)
     b = build_model(seed=7, in_channels=1, image_size=28, num_classes=10, dropout=0.1)
     c = build_model(seed=8, in_channels=1, image_size=28, num_classes=10, dropout=0.1)
-    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(pa, pb), name
     assert not torch.equal(a.conv1.weight, c.conv1.weight)
 
@@ -120,21 +121,24 @@ def test_flags_are_limited_to_their_strategy():
     assert parse_config("pippy", ["--schedule", SCHEDULES[0]]).schedule == SCHEDULES[0]
 
 
-@pytest.mark.parametrize("argv,flag", [
-    (["--dataset", "imagenet"], "--dataset"),
-    (["--optimizer", "lamb"], "--optimizer"),
-    (["--lr", "0"], "--lr"),
-    (["--lr", "-1e-3"], "--lr"),
-    (["--lr", "nan"], "--lr"),
-    (["--lr", "abc"], "--lr"),
-    (["--epochs", "0"], "--epochs"),
-    (["--max-steps", "-1"], "--max-steps"),
-    (["--batch-size", "0"], "--batch-size"),
-    (["--batch-size", "12.5"], "--batch-size"),
-    (["--dropout", "1"], "--dropout"),
-    (["--precision", "fp8"], "--precision"),
-    (["--batch-size", "10", "--grad-accum-steps", "3"], "--grad-accum-steps"),
-])
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--dataset", "imagenet"], "--dataset"),
+        (["--optimizer", "lamb"], "--optimizer"),
+        (["--lr", "0"], "--lr"),
+        (["--lr", "-1e-3"], "--lr"),
+        (["--lr", "nan"], "--lr"),
+        (["--lr", "abc"], "--lr"),
+        (["--epochs", "0"], "--epochs"),
+        (["--max-steps", "-1"], "--max-steps"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--batch-size", "12.5"], "--batch-size"),
+        (["--dropout", "1"], "--dropout"),
+        (["--precision", "fp8"], "--precision"),
+        (["--batch-size", "10", "--grad-accum-steps", "3"], "--grad-accum-steps"),
+    ],
+)
 def test_bad_flags_name_the_flag(argv, flag):
     with pytest.raises(ConfigError) as error:
         parse_config("ddp", argv)

@@ -15,13 +15,17 @@ STEPS = 12  # what the comparison needs; the parity itself is tested at length i
 @pytest.fixture(scope="module")
 def run_all(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
-    proc = run_command(["bash", "run_all.sh", *PARITY, "--max-steps", str(STEPS)],
-                       env={**env_for_tests(), "NPROC": "2", "OUT": str(out)}, timeout=480)
+    proc = run_command(
+        ["bash", "run_all.sh", *PARITY, "--max-steps", str(STEPS)],
+        env={**env_for_tests(), "NPROC": "2", "OUT": str(out)},
+        timeout=480,
+    )
     return out, proc.stdout
 
 
 def markdown_rows(stdout: str) -> dict[str, dict[str, str]]:
     """The Markdown table as {run: {column: cell}}; a cell's "|" is escaped as "\\|", as Markdown wants."""
+
     def cells(line: str) -> list[str]:
         return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip()[1:-1])]
 
@@ -63,15 +67,29 @@ def test_equal_runs_have_equal_curves(run_all):
 def test_mismatched_runs_are_refused_unless_forced(run_all, tmp_path):
     out, _ = run_all
     launch("train_ddp.py", 1, [*PARITY, "--seed", "1", "--max-steps", "3"], tmp_path / "seed1")
-    cmd = [sys.executable, "-m", "common.compare", str(out / "ref"), str(tmp_path / "seed1"), "--out", str(tmp_path / "c.png")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "common.compare",
+        str(out / "ref"),
+        str(tmp_path / "seed1"),
+        "--out",
+        str(tmp_path / "c.png"),
+    ]
     refused = run_command(cmd, check=False, timeout=120)
     assert refused.returncode == 2 and not (tmp_path / "c.png").exists()
-    assert re.fullmatch(r"error: runs are not comparable: seed differs: --seed 1 in \S+ vs 0 in \S+; "
-                        r"use --force to compare anyway\n", refused.stderr), refused.stderr
+    assert re.fullmatch(
+        r"error: runs are not comparable: seed differs: --seed 1 in \S+ vs 0 in \S+; "
+        r"use --force to compare anyway\n",
+        refused.stderr,
+    ), refused.stderr
     forced = run_command([*cmd, "--force"], timeout=120)
     assert "warning: seed differs" in forced.stderr and (tmp_path / "c.png").exists()
 
 
 def test_compare_names_a_folder_that_is_not_a_run(tmp_path):
     proc = run_command([sys.executable, "-m", "common.compare", str(tmp_path)], check=False, timeout=60)
-    assert proc.returncode == 2 and proc.stderr.strip() == f"error: {tmp_path}: no run.json (is this a finished run folder?)"
+    assert (
+        proc.returncode == 2
+        and proc.stderr.strip() == f"error: {tmp_path}: no run.json (is this a finished run folder?)"
+    )

@@ -8,17 +8,35 @@ import pytest
 import torch
 
 from common.checkpoint import latest_checkpoint, verify_checkpoint
-from common.config import build_parser
-from tests.helpers import (PARITY, PARITY_STEPS, SGD, SMALL, env_for_tests, kill_a_worker_when, launch, losses,
-                           max_abs_diff, read_metrics, read_run, run_command, run_many, start_runner)
+from common.cli import build_parser
+from tests.helpers import (
+    PARITY,
+    PARITY_STEPS,
+    SGD,
+    SMALL,
+    env_for_tests,
+    kill_a_worker_when,
+    launch,
+    losses,
+    max_abs_diff,
+    read_metrics,
+    read_run,
+    run_command,
+    run_many,
+    start_runner,
+)
 
 MODES = ("full", "grad-op", "hybrid", "none")
 SHARDS_ON_4 = {"full": 4, "grad-op": 4, "hybrid": 2, "none": 1}  # ranks one parameter is split over
 # The SGD runs also carry one option each that must not change the numbers: activation checkpointing
 # (recompute), CPU offload (the optimizer steps on CPU copies), accumulation (HSDP skips the reduce-scatter
 # and the all-reduce on the inner micro-step) with one FSDP unit per block.
-SGD_EXTRA = {"full": ["--activation-checkpointing"], "grad-op": ["--cpu-offload"],
-             "hybrid": ["--grad-accum-steps", "2", "--shard-units", "blocks"], "none": []}
+SGD_EXTRA = {
+    "full": ["--activation-checkpointing"],
+    "grad-op": ["--cpu-offload"],
+    "hybrid": ["--grad-accum-steps", "2", "--shard-units", "blocks"],
+    "none": [],
+}
 # 30 AdamW steps with a checkpoint every 15: parity over 30 steps, and the step-15 checkpoint to resume from
 LONG = [*PARITY, "--checkpoint-every", "15"]
 # the other runs compare only their losses: the 20 steps the parity asks for
@@ -32,9 +50,11 @@ def runs(tmp_path_factory, references):
     30-step run), and the 4-rank step-15 checkpoint resumed on 2 ranks and on 1. The 1-process
     references are shared with test_ddp.py."""
     root = tmp_path_factory.mktemp("fsdp")
-    on_4_ranks = {"ddp4": ("ddp", [*PARITY, "--max-steps", "2"]),  # only for its memory record
-                  "bf16": ("fsdp", [*SMALL, "--batch-size", "96", "--precision", "bf16", "--sharding", "grad-op"]),
-                  "adamw_blocks": ("fsdp", [*PARITY, *TWENTY, "--shard-units", "blocks"])}
+    on_4_ranks = {
+        "ddp4": ("ddp", [*PARITY, "--max-steps", "2"]),  # only for its memory record
+        "bf16": ("fsdp", [*SMALL, "--batch-size", "96", "--precision", "bf16", "--sharding", "grad-op"]),
+        "adamw_blocks": ("fsdp", [*PARITY, *TWENTY, "--shard-units", "blocks"]),
+    }
     for mode in MODES:
         on_4_ranks[f"adamw_{mode}"] = ("fsdp", [*LONG, "--sharding", mode, *([] if mode == "full" else TWENTY)])
         on_4_ranks[f"sgd_{mode}"] = ("fsdp", [*PARITY, *TWENTY, *SGD, "--sharding", mode, *SGD_EXTRA[mode]])
@@ -53,20 +73,26 @@ def runs(tmp_path_factory, references):
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
     """run_fsdp.sh on 4 ranks, a checkpoint every 5 steps, one worker SIGKILLed in the middle of the
-    first save after step 15 (MAX_RESTARTS=0: the job ends); what it left on disk; then the same command with --resume."""
+    first save after step 15 (MAX_RESTARTS=0: the job ends); what it left on disk; then the same command with
+    --resume."""
     out = tmp_path_factory.mktemp("killed") / "run"
     flags = [*PARITY, "--checkpoint-every", "5"]
     runner = start_runner("fsdp", flags, out, NPROC="4")
 
     def saving_after_step_15() -> bool:
-        return any(int(p.name[len("step_"):-len(".tmp")]) > 15 for p in (out / "checkpoints").glob("step_*.tmp"))
+        return any(int(p.name[len("step_") : -len(".tmp")]) > 15 for p in (out / "checkpoints").glob("step_*.tmp"))
 
     rank, output = kill_a_worker_when(runner, out, 4, saving_after_step_15)
-    left = {"returncode": runner.returncode, "killed_rank": rank, "output": output,
-            "unfinished": sorted(p.name for p in (out / "checkpoints").glob("*.tmp")),
-            "latest": latest_checkpoint(str(out))}
-    resumed = run_command(["bash", "run_fsdp.sh", *flags, "--resume", "--out", str(out)],
-                          env={**env_for_tests(), "NPROC": "4"})
+    left = {
+        "returncode": runner.returncode,
+        "killed_rank": rank,
+        "output": output,
+        "unfinished": sorted(p.name for p in (out / "checkpoints").glob("*.tmp")),
+        "latest": latest_checkpoint(str(out)),
+    }
+    resumed = run_command(
+        ["bash", "run_fsdp.sh", *flags, "--resume", "--out", str(out)], env={**env_for_tests(), "NPROC": "4"}
+    )
     return out, left, resumed.stdout
 
 
@@ -76,7 +102,7 @@ def test_every_sharding_mode_matches_one_process_adamw(runs, mode):
     assert len(ref) == PARITY_STEPS and ref[-1] < ref[0] * 0.7, "the reference run should learn"
     run_losses = losses(runs[f"adamw_{mode}"])
     assert len(run_losses) == (PARITY_STEPS if mode == "full" else 20)
-    assert max_abs_diff(run_losses, ref[:len(run_losses)]) <= 1e-4
+    assert max_abs_diff(run_losses, ref[: len(run_losses)]) <= 1e-4
     run = read_run(runs[f"adamw_{mode}"])
     assert (run["strategy"], run["world_size"], run["config"]["sharding"]) == ("fsdp", 4, mode)
     assert run["mesh"]["shard"] == SHARDS_ON_4[mode] and run["mesh"].get("replicate", 1) == 4 // SHARDS_ON_4[mode]
@@ -114,7 +140,7 @@ def test_a_kill_during_a_save_leaves_a_loadable_latest(killed):
     # the interrupted save (after step 20, or 25 if the first was missed) is still a .tmp folder, never
     # loaded; the latest is the one before it, and it is sound
     (unfinished,) = left["unfinished"]
-    previous = f"step_{int(unfinished[len('step_'):-len('.tmp')]) - 5:07d}"
+    previous = f"step_{int(unfinished[len('step_') : -len('.tmp')]) - 5:07d}"
     assert unfinished in ("step_0000020.tmp", "step_0000025.tmp")
     assert left["latest"] == str(out / "checkpoints" / previous) and verify_checkpoint(left["latest"]) is None
 
@@ -162,7 +188,7 @@ def test_measured_memory_agrees_with_the_theory(runs, mode):
             # counters add 4 bytes per tensor), so a rank may differ by well under 1%
             assert rank[kind] == pytest.approx(theory[kind], rel=0.01), (rank, theory)
     # the shards of one replica add up to every parameter exactly once
-    replica = memory["per_rank"][:theory["shards"]]
+    replica = memory["per_rank"][: theory["shards"]]
     assert sum(r["param_bytes"] for r in replica) == 4 * theory["parameters"]
 
 
@@ -207,14 +233,21 @@ def test_runner_resumes_and_writes_the_metrics_contract(killed):
     assert run["final"]["test_accuracy"] == evals[-1]["test_accuracy"] and (out / "model.pt").exists()
 
 
-@pytest.mark.parametrize("flags,env,named", [
-    (["--sharding", "zero3"], {}, "--sharding"),
-    (["--shard-units", "layers"], {}, "--shard-units"),
-    (["--sharding", "hybrid", "--batch-size", "96"], {"NPROC": "3"}, "--sharding"),  # hybrid needs an even world
-])
+@pytest.mark.parametrize(
+    "flags,env,named",
+    [
+        (["--sharding", "zero3"], {}, "--sharding"),
+        (["--shard-units", "layers"], {}, "--shard-units"),
+        (["--sharding", "hybrid", "--batch-size", "96"], {"NPROC": "3"}, "--sharding"),  # hybrid needs an even world
+    ],
+)
 def test_runner_rejects_bad_input_with_one_line(flags, env, named, tmp_path):
-    proc = run_command(["bash", "run_fsdp.sh", *flags, "--out", str(tmp_path / "out")],
-                       env={**env_for_tests(), **env}, check=False, timeout=60)
+    proc = run_command(
+        ["bash", "run_fsdp.sh", *flags, "--out", str(tmp_path / "out")],
+        env={**env_for_tests(), **env},
+        check=False,
+        timeout=60,
+    )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode != 0 and len(lines) == 1 and lines[0].startswith("error:") and named in lines[0], proc.stderr
     assert not (tmp_path / "out").exists()

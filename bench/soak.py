@@ -1,7 +1,7 @@
 """Clean exits, measured: launch each runner many times on short settings and count the runs that exit 0.
 
-    python -m common.soak                        # 50 runs each of run_ddp.sh, run_fsdp.sh, run_pippy.sh
-    python -m common.soak --runs 10 --scripts ddp --nproc 2
+    python -m bench.soak                        # 50 runs each of run_ddp.sh, run_fsdp.sh, run_pippy.sh
+    python -m bench.soak --runs 10 --scripts ddp --nproc 2
 
 A run that finished its work must exit 0, every time: torchrun reports any other exit code as a failed
 job. On gloo a finished process can still abort while it shuts down (`terminate called without an active
@@ -27,8 +27,18 @@ from pathlib import Path
 from typing import Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
-SHORT = ["--checkpoint-every", "2", "--train-size", "512", "--test-size", "64", "--batch-size", "32",
-         "--log-every", "1000"]
+SHORT = [
+    "--checkpoint-every",
+    "2",
+    "--train-size",
+    "512",
+    "--test-size",
+    "64",
+    "--batch-size",
+    "32",
+    "--log-every",
+    "1000",
+]
 
 
 def soak(script: str, *, runs: int, nproc: int, work: Path) -> dict:
@@ -40,8 +50,14 @@ def soak(script: str, *, runs: int, nproc: int, work: Path) -> dict:
         out = work / f"{script}-{i - resume}"
         flags = ["--max-steps", "8", "--resume"] if resume else ["--max-steps", "4"]
         started = time.perf_counter()
-        proc = subprocess.run(["bash", f"run_{script}.sh", *SHORT, *flags, "--out", str(out)], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            ["bash", f"run_{script}.sh", *SHORT, *flags, "--out", str(out)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         seconds.append(time.perf_counter() - started)
         codes.append(proc.returncode)
         if proc.returncode != 0:
@@ -49,12 +65,18 @@ def soak(script: str, *, runs: int, nproc: int, work: Path) -> dict:
             why = (said or proc.stderr.splitlines()[-1:] or [""])[0]
             failures.append({"run": i, "resumed": resume, "exit": proc.returncode, "why": why})
             print(f"  {script} run {i}{' (resumed)' if resume else ''}: exit {proc.returncode}: {why}", flush=True)
-    return {"script": script, "nproc": nproc, "runs": runs, "exit_0": codes.count(0), "failures": failures,
-            "mean_s": sum(seconds) / len(seconds)}
+    return {
+        "script": script,
+        "nproc": nproc,
+        "runs": runs,
+        "exit_0": codes.count(0),
+        "failures": failures,
+        "mean_s": sum(seconds) / len(seconds),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m common.soak", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=50, help="launches of each runner")
     parser.add_argument("--scripts", default="ddp,fsdp,pippy", help="comma-separated: ddp, fsdp, pippy")
     parser.add_argument("--nproc", type=int, default=4, help="processes per launch")

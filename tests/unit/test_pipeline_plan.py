@@ -1,0 +1,46 @@
+"""The pipeline's plan without processes: which flag combinations the checks accept, where each stage lives,
+and the bubble simulator against the textbook formula."""
+
+import pytest
+
+from common.cli import parse_config
+from common.config import PIPELINE_MAX_STAGES, SCHEDULES
+from common.model import MAX_STAGES
+from common.pipeline import BALANCED_COST, simulate_bubble, stage_indices, stage_owner
+from tests.helpers import PP_PARITY
+from tests.integration.test_pippy import DP2, MATRIX, PART1, STAGES_PER_RANK
+
+
+def test_every_combination_the_tests_run_passes_the_checks():
+    for flags in [*MATRIX.values(), *DP2.values(), PART1]:
+        parse_config("pippy", [*PP_PARITY, *flags], world_size=4)
+    assert PIPELINE_MAX_STAGES == MAX_STAGES and set(STAGES_PER_RANK) == set(SCHEDULES)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_stage_placement_covers_every_stage_once(schedule):
+    for pp_size in (1, 2, 4):
+        v = STAGES_PER_RANK[schedule]
+        held = [stage for rank in range(pp_size) for stage in stage_indices(schedule, rank, pp_size, v)]
+        assert sorted(held) == list(range(pp_size * v))
+        assert all(
+            stage_owner(schedule, s, pp_size) == r
+            for r in range(pp_size)
+            for s in stage_indices(schedule, r, pp_size, v)
+        )
+    if schedule in ("zbv", "dualpipev"):
+        assert stage_owner(schedule, 7, 4) == 0  # V placement: the last stage, with the loss, is on rank 0
+
+
+@pytest.mark.parametrize("p,m", [(2, 1), (4, 4), (4, 8), (3, 5)])
+def test_simulated_gpipe_and_1f1b_give_the_textbook_bubble(p, m):
+    gpipe = [[(r, "F", i) for i in range(m)] + [(r, "B", i) for i in range(m)] for r in range(p)]
+    one_f_one_b = []
+    for r in range(p):
+        warmup = min(p - 1 - r, m)
+        order = [(r, "F", i) for i in range(warmup)]
+        for i in range(m - warmup):
+            order += [(r, "F", warmup + i), (r, "B", i)]
+        one_f_one_b.append(order + [(r, "B", i) for i in range(m - warmup, m)])
+    for orders in (gpipe, one_f_one_b):
+        assert simulate_bubble(orders, lambda stage, kind: BALANCED_COST[kind]) == pytest.approx((p - 1) / (m + p - 1))
