@@ -4,10 +4,9 @@
     torchrun --standalone --nproc-per-node 4 train_ddp.py   # the same, by hand
     python train_ddp.py --max-steps 50                      # 1 process, no torchrun needed
 
-DDP keeps a full replica of the model on every rank. Each rank runs forward and backward on its own slice
-of the global batch; during backward DDP all-reduces (averages) the gradients bucket by bucket, overlapping
-communication with computation. After `backward()` every replica holds the same averaged gradient, so the
-identical optimizer steps keep the replicas identical. Lines specific to DDP are marked `# [DDP]`.
+Each rank keeps a full replica and runs its slice of the global batch; backward all-reduces the gradients
+bucket by bucket, so identical optimizer steps keep the replicas identical (docs/ddp.md). Lines specific
+to DDP are marked `# [DDP]`.
 """
 
 import time
@@ -82,9 +81,7 @@ def train(cfg, env) -> None:
         dropout=cfg.dropout,
     ).to(env.device)
     seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
-    # [DDP] Wrap the replica. DDP broadcasts rank 0's weights once (they already agree) and registers the
-    # hooks that all-reduce gradients during backward. gradient_as_bucket_view: the .grad tensors live in
-    # DDP's communication buckets instead of beside them, which saves one copy of the gradients.
+    # [DDP] Hooks all-reduce gradients during backward; .grad lives in DDP's buckets (one copy fewer).
     model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None, gradient_as_bucket_view=True)
     optimizer = build_optimizer(model.parameters(), cfg)
 
@@ -115,10 +112,10 @@ def train(cfg, env) -> None:
         images, labels = to_device_batch(data.train, indices, data, env.device)
         loss_sum = torch.zeros((), device=env.device)
         for i, (x, y) in enumerate(zip(images.split(micro_batch_size), labels.split(micro_batch_size))):
-            # [DDP] no_sync: accumulate gradients locally on all but the last micro-step; the last backward
-            # all-reduces the accumulated sum once, instead of once per micro-step.
+            # On all but the last micro-step, skip the gradient reduction: gradients accumulate locally
+            # and only the last backward reduces their sum, once.
             is_last = i == cfg.grad_accum_steps - 1
-            with nullcontext() if is_last else model.no_sync():
+            with nullcontext() if is_last else model.no_sync():  # [DDP]
                 with autocast(cfg, env.device):
                     # divided by the accumulation steps, the summed gradients are those of the chunk mean
                     loss = F.cross_entropy(model(x), y) / cfg.grad_accum_steps

@@ -1,15 +1,12 @@
 """Train BabyCNN with FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded across ranks.
 
-    bash run_fsdp.sh                                          # 4 processes: GPUs + NCCL, else CPU + gloo
-    torchrun --standalone --nproc-per-node 4 train_fsdp.py    # the same, by hand
-    python train_fsdp.py --max-steps 50                       # 1 process, no torchrun needed
-    bash run_fsdp.sh --sharding hybrid --precision bf16       # HSDP with bf16 compute (see --help)
+    bash run_fsdp.sh                                         # 4 processes: GPUs + NCCL, else CPU + gloo
+    torchrun --standalone --nproc-per-node 4 train_fsdp.py   # the same, by hand
+    python train_fsdp.py --max-steps 50                      # 1 process, no torchrun needed
 
-FSDP keeps on each rank only a shard of every parameter, of its gradient and of its optimizer state. Before
-a unit runs, its shards are all-gathered into the full parameters; after its backward, the gradients are
-reduce-scattered, so each rank holds the averaged gradient of its own shard and steps the optimizer on that
-shard alone. `--sharding` decides over which ranks (full, grad-op, hybrid, none), `--shard-units` what a
-unit is (the whole model, or each block: see the README). Lines specific to FSDP are marked `# [FSDP]`.
+Each rank keeps a shard of every parameter, gradient and optimizer state; a unit's shards are all-gathered
+before it runs and its gradients reduce-scattered after its backward (docs/fsdp.md). Lines specific to FSDP
+are marked `# [FSDP]`.
 """
 
 import os
@@ -81,10 +78,8 @@ def train(cfg, env) -> None:
         )
 
     # ---- model: the same initial weights on every rank, because they depend on the seed alone
-    # [FSDP] Built whole on the CPU, then sharded; fully_shard moves each rank's shard to the mesh's device.
-    # Not on the meta device (the way for models too big for one device: shard empty tensors, then initialise
-    # each shard), because shards initialised separately would not be DDP's weights, and the curves would
-    # no longer be comparable. BabyCNN's 1.3M parameters are cheap to build whole.
+    # [FSDP] Built whole on the CPU, then sharded (fully_shard moves each shard to the device): DDP's initial
+    # weights, so the curves compare. Big models use the meta device instead (docs/fsdp.md).
     model = build_model(
         seed=cfg.seed,
         in_channels=data.in_channels,
@@ -95,15 +90,11 @@ def train(cfg, env) -> None:
     model_blocks = blocks(model)  # the units to shard, taken before a checkpoint wrapper hides the layers
     seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
     if cfg.activation_checkpointing:
-        # [FSDP] Keep only the model's input for backward and recompute the activations there, at the cost
-        # of a second forward. BabyCNN is one flat Sequential, so the whole model is the span that pays: a
-        # checkpointed single layer still stores its input, which is about what it saves. (In a transformer
-        # you wrap each block.) The wrapper's name never reaches a state dict: checkpoints keep conv1.weight.
+        # [FSDP] Keep only the input for backward and recompute the activations, at the cost of a second
+        # forward; the whole flat model is the span that pays (docs/fsdp.md). Checkpoint keys stay conv1.weight.
         model = checkpoint_wrapper(model)
-    # [FSDP] The device mesh: the ranks of a "shard" row split every parameter between them; the rows of the
-    # "replicate" dim hold the same shards and all-reduce their gradients. full, grad-op: one row of all
-    # ranks; hybrid: 2 rows of world/2 ranks (on two machines: shard within each, replicate across them);
-    # none: a row per rank, shards of size 1 (how FSDP2 spells NO_SHARD: every rank keeps everything).
+    # [FSDP] The ranks of a "shard" row split every parameter; "replicate" rows hold the same shards and
+    # all-reduce their gradients. hybrid: 2 rows of world/2 ranks; none: shards of one rank (NO_SHARD).
     replicas = {"full": 1, "grad-op": 1, "hybrid": 2, "none": env.world_size}[cfg.sharding]
     mesh = (
         init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("shard",))
@@ -112,14 +103,8 @@ def train(cfg, env) -> None:
             env.device.type, (replicas, env.world_size // replicas), mesh_dim_names=("replicate", "shard")
         )
     )
-    # [FSDP] reshard_after_forward: free a unit's gathered parameters after its forward and gather them again
-    # for its backward (full, ZeRO-3), or keep them until then (grad-op, ZeRO-2: more memory, fewer gathers).
-    # None is FSDP's own default: True for every unit but the root, whose backward comes right after forward.
-    # bf16: the gathered parameters are cast to bf16 for compute, the fp32 shards stay what the optimizer
-    # updates, gradients are reduced in fp32 (a sum of many bf16 numbers loses digits), and the output comes
-    # back as fp32 for the loss; this replaces DDP's autocast. CPU offload: shards, gradients and optimizer
-    # state live in CPU memory and the optimizer steps there; pinned memory (for asynchronous copies to the
-    # GPU) exists only with a GPU.
+    # [FSDP] Free gathered parameters after forward (full; None is FSDP's default) or keep them for backward
+    # (grad-op). bf16: compute in bf16, fp32 shards and gradient reduction (replaces DDP's autocast).
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
     shard_options = dict(
@@ -128,14 +113,9 @@ def train(cfg, env) -> None:
         mp_policy=bf16 if cfg.precision == "bf16" else MixedPrecisionPolicy(),
         offload_policy=offload if cfg.cpu_offload else OffloadPolicy(),
     )
-    # [FSDP] The units: each fully_shard call makes one, with one all-gather of its parameters before it runs
-    # and one reduce-scatter of its gradients after its backward. --shard-units model (default): the root
-    # alone, one unit for BabyCNN's 1.3M parameters (FSDP1's size-based wrap policy leaves modules under
-    # 100M parameters to their parent): the fewest collectives, one all-gather and one reduce-scatter per step.
-    # --shard-units blocks: bottom-up, each block (common/model.py BLOCKS: features, classifier) first, then
-    # the root, so the full parameters exist a block at a time: the pattern of a model too big to gather
-    # whole (in a transformer, each layer is a block; a list of modules is one unit). The last block keeps
-    # its parameters from forward to its backward, which comes right after: one all-gather fewer per step.
+    # [FSDP] Each fully_shard call makes a unit (an all-gather before it, a reduce-scatter after its backward):
+    # the root alone (fewest collectives), or each block then the root (full parameters a block at a time;
+    # the last block keeps its parameters for its backward, which follows at once).
     if cfg.shard_units == "blocks":
         *first, last = model_blocks.values()
         for layers in first:
@@ -171,10 +151,10 @@ def train(cfg, env) -> None:
         images, labels = to_device_batch(data.train, indices, data, env.device)
         loss_sum = torch.zeros((), device=env.device)
         for i, (x, y) in enumerate(zip(images.split(micro_batch_size), labels.split(micro_batch_size))):
-            # [FSDP] On all but the last micro-step, skip the reduce-scatter (and HSDP's all-reduce): gradients
-            # accumulate unsharded on each rank, and only the last backward reduces their sum, once.
+            # On all but the last micro-step, skip the gradient reduction: gradients accumulate locally
+            # and only the last backward reduces their sum, once.
             is_last = i == cfg.grad_accum_steps - 1
-            model.set_requires_gradient_sync(is_last)
+            model.set_requires_gradient_sync(is_last)  # [FSDP] no reduce-scatter until the last micro-step
             # divided by the accumulation steps, the summed gradients are those of the chunk mean
             loss = F.cross_entropy(model(x), y) / cfg.grad_accum_steps
             loss.backward()
@@ -191,16 +171,13 @@ def train(cfg, env) -> None:
             save_checkpoint(cfg.out, step, model=model, optimizers=[optimizer], strategy="fsdp", keep=cfg.keep)
 
     memory = gather_memory(measure_memory(model.parameters(), optimizer, env.device), env.rank)
-    # [FSDP] The theory next to the measurement: fp32 parameter and gradient (4 + 4 bytes) and the optimizer's
-    # fp32 state (AdamW's two moments: 8; SGD's momentum: 4) per parameter, divided by the ranks that share
-    # it. Not counted: AdamW's step counters, the padding of uneven shards, and the gathered parameters and
-    # unsharded gradients that exist only while a layer runs forward or backward.
+    # [FSDP] The theory next to the measurement: per parameter 4 + 4 bytes (fp32 weight, gradient) and the
+    # optimizer state (AdamW 8, SGD 4), divided by the ranks sharing it (what is not counted: docs/fsdp.md).
     n_params, shards = sum(p.numel() for p in model.parameters()), mesh["shard"].size()
     per_param = {"param_bytes": 4, "grad_bytes": 4, "optim_bytes": 8 if cfg.optimizer == "adamw" else 4}
     theory = {"parameters": n_params, "shards": shards, **{k: v * n_params / shards for k, v in per_param.items()}}
     run_eval(steps)
-    # [FSDP] A plain full-state model.pt for inference without a process group: every rank takes part in
-    # gathering the shards, rank 0 alone receives and writes them (keys as in BabyCNN: conv1.weight, ...).
+    # [FSDP] A plain model.pt for inference without a process group: every rank helps gather, rank 0 writes.
     full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if env.is_main:
         torch.save(full_state, os.path.join(cfg.out, "model.pt.tmp"))

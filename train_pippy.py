@@ -6,13 +6,9 @@
     bash run_pippy.sh --dp 2                                           # 2 replicas x 2 stages (2-D mesh)
     torchrun --standalone --nproc-per-node 4 train_pippy.py            # the same as the first, by hand
 
-The model is cut into consecutive stages (the explicit cut in common/model.py); each rank holds one or
-more of them. Every step the global batch is split over the --dp replicas, and each replica's share into
---n-microbatches micro-batches. The first stage feeds the images in, each stage sends its activations to
-the next, the last stage computes the loss, and gradients flow back the same way; the schedule decides
-in which order each rank runs its forwards and backwards. While a rank waits for its neighbours it is
-idle -- the bubble -- which this script measures (run.json, bubble.jsonl). With --dp > 1 each stage's
-module is also sharded with FSDP2 across the replicas that hold it. Lines specific to pipelining are
+The model is cut into consecutive stages, each rank holds one or more, and each replica's share of the
+global batch streams through them in micro-batches in the order the schedule decides; the idle time (the
+bubble) is measured into run.json and bubble.jsonl (docs/pipeline.md). Lines specific to pipelining are
 marked `# [PP]`.
 """
 
