@@ -12,6 +12,7 @@ second before torchrun starts any worker.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import importlib.util
 from dataclasses import dataclass, fields
 
@@ -203,8 +204,14 @@ class Config:
         ok = not self.profile_steps or (a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b))
         if not ok:
             raise ConfigError(f"--profile-steps: expected A:B with 1 <= A <= B (e.g. 3:5), got {self.profile_steps!r}")
-        if self.memory_snapshot and (self.device == "cpu" or not self.profile_steps):
-            raise ConfigError("--memory-snapshot: needs CUDA and --profile-steps A:B (the steps it records)")
+        # "auto" without torch: no NVIDIA device node means CPU (the worker checks torch.cuda again)
+        on_cpu = self.device == "cpu" or (self.device == "auto" and not glob.glob("/dev/nvidia[0-9]*"))
+        if self.memory_snapshot and on_cpu:
+            raise ConfigError(
+                "--memory-snapshot: needs CUDA (it records the CUDA allocator); this run is on CPU: drop the flag"
+            )
+        if self.memory_snapshot and not self.profile_steps:
+            raise ConfigError("--memory-snapshot: records the profiled steps; add --profile-steps A:B (e.g. 3:5)")
         if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
             raise ConfigError("--tensorboard: the tensorboard package is not installed; pip install tensorboard")
 

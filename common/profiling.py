@@ -96,6 +96,8 @@ class StepProfiler:
             if self.memory:
                 torch.cuda.memory._record_memory_history(max_entries=200_000)
             activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cpu":  # else kineto logs "gpuGetDeviceCount failed" on a machine with no GPU
+                os.environ.setdefault("KINETO_LOG_LEVEL", "5")
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._profiler = torch.profiler.profile(activities=activities, record_shapes=False)
