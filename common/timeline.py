@@ -64,6 +64,7 @@ def draw(timeline: dict[str, Any], out: str) -> None:
 
     ranks = timeline["actions"]
     n_stages = max((a["stage"] for acts in ranks for a in acts), default=0) + 1
+    span_ms = 1e3 * max(end for _, end in timeline["window_s"])
     fig, ax = plt.subplots(figsize=(12, 1.1 + 0.9 * len(ranks)))
     for rank, (actions, (w0, w1)) in enumerate(zip(ranks, timeline["window_s"])):
         y = len(ranks) - 1 - rank  # rank 0 on top
@@ -73,15 +74,16 @@ def draw(timeline: dict[str, Any], out: str) -> None:
             # later stages lighter, so the V schedules' two stages per rank tell apart
             alpha = 1.0 - 0.5 * a["stage"] / max(1, n_stages - 1)
             ax.broken_barh([(start, width)], (y - 0.35, 0.7), color=COLOURS[a["kind"]], alpha=alpha, ec="black", lw=0.3)
-            ax.text(start + width / 2, y, f"{a['kind']}{a['mb']}", ha="center", va="center", fontsize=7)
+            if width > span_ms / 60:  # a label only where it fits
+                ax.text(start + width / 2, y, f"{a['kind']}{a['mb']}", ha="center", va="center", fontsize=7)
     ax.set_yticks(range(len(ranks)))
     labels = [rank_label(r, acts, timeline["stage_layers"]) for r, acts in enumerate(ranks)]
     ax.set_yticklabels(labels[::-1], fontsize=7)
     ax.set_xlabel("time in the step (ms)")
     ax.set_title(title(timeline), fontsize=10)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (*COLOURS.values(), "#e6e6e6")]
-    ax.legend(handles, ["F forward", "B backward", "I input grad", "W weight grad", "idle"], fontsize=7, ncol=5,
-              loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.3 / len(ranks)))  # fmt: skip
+    names = ["F forward", "B backward", "I input grad", "W weight grad", "idle"]
+    ax.legend(handles, names, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
