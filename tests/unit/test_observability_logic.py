@@ -105,3 +105,12 @@ def test_idle_fraction():
     window = sum(end - start for start, end in data["window_s"])
     assert idle_fraction({**data}) == pytest.approx(1 - 2 * busy / window)
     assert "bubble measured" in title({**data, "bubble": None})
+
+
+def test_tensorboard_missing_is_one_line(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(ConfigError, match="pip install tensorboard"):
+        Config(tensorboard=True).check()
