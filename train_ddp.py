@@ -22,6 +22,7 @@ from common.data import GlobalBatchSampler, load_dataset, to_device_batch
 from common.distributed import RankLogger, run, seed_everything, setup_distributed, teardown_distributed
 from common.metrics import MetricsWriter, measure_memory, write_run_json
 from common.model import build_model
+from common.profiling import StepProfiler
 from common.training import (
     autocast,
     build_optimizer,
@@ -90,7 +91,12 @@ def train(cfg, env) -> None:
         start_step = load_checkpoint(path, model=model, optimizers=[optimizer])
         log(f"resumed from {path} (step {start_step})")
     metrics = MetricsWriter(
-        cfg.out, enabled=env.is_main, total_steps=steps, log_every=cfg.log_every, start_step=start_step
+        cfg.out,
+        enabled=env.is_main,
+        total_steps=steps,
+        log_every=cfg.log_every,
+        start_step=start_step,
+        tensorboard=cfg.tensorboard,
     )
 
     def run_eval(step: int) -> None:
@@ -101,31 +107,42 @@ def train(cfg, env) -> None:
         model.train()
         metrics.eval(step, test_loss=test_loss, test_accuracy=test_accuracy)
 
+    # --profile-steps: torch.profiler and named spans over those steps only; without it, no-ops
+    profiler = StepProfiler(
+        cfg.profile_steps, out_dir=cfg.out, rank=env.rank, device=env.device, memory=cfg.memory_snapshot
+    )
+
     # ---- training loop
     model.train()
     for step in range(start_step + 1, steps + 1):
         started = time.perf_counter()
+        profiler.step_start(step)
         lr = lr_at(step, cfg)
         set_lr(optimizer, lr)
         optimizer.zero_grad(set_to_none=True)
-        indices = sampler.rank_batch(step, env.rank, env.world_size)  # this rank's slice of the global batch
-        images, labels = to_device_batch(data.train, indices, data, env.device)
+        with profiler.span("data"):
+            indices = sampler.rank_batch(step, env.rank, env.world_size)  # this rank's slice of the global batch
+            images, labels = to_device_batch(data.train, indices, data, env.device)
         loss_sum = torch.zeros((), device=env.device)
         for i, (x, y) in enumerate(zip(images.split(micro_batch_size), labels.split(micro_batch_size))):
             # On all but the last micro-step, skip the gradient reduction: gradients accumulate locally
             # and only the last backward reduces their sum, once.
             is_last = i == cfg.grad_accum_steps - 1
             with nullcontext() if is_last else model.no_sync():  # [DDP]
-                with autocast(cfg, env.device):
+                with autocast(cfg, env.device), profiler.span("forward"):
                     # divided by the accumulation steps, the summed gradients are those of the chunk mean
                     loss = F.cross_entropy(model(x), y) / cfg.grad_accum_steps
-                loss.backward()
+                # [DDP] the gradient all-reduce runs inside backward: "gloo:all_reduce" in the trace
+                with profiler.span("backward"):
+                    loss.backward()
             loss_sum += loss.detach()
-        optimizer.step()
+        with profiler.span("optimizer"):
+            optimizer.step()
 
         # loss_sum is this rank's mean loss; the mean over ranks is the mean over the whole global batch
         loss_value = global_mean(loss_sum)
         check_finite(loss_value, step)
+        profiler.step_end(step)
         metrics.train(step, loss=loss_value, lr=lr, samples=cfg.batch_size, step_time_s=time.perf_counter() - started)
         if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
             run_eval(step)
@@ -133,10 +150,11 @@ def train(cfg, env) -> None:
             save_checkpoint(cfg.out, step, model=model, optimizers=[optimizer], strategy="ddp", keep=cfg.keep)
 
     memory = gather_memory(measure_memory(model.parameters(), optimizer, env.device), env.rank)
+    profile = profiler.report()
     run_eval(steps)
     if env.is_main:
         final = metrics.final()
-        write_run_json(cfg.out, **describe_run(cfg, env), final=final, memory={"per_rank": memory})
+        write_run_json(cfg.out, **describe_run(cfg, env, profile=profile), final=final, memory={"per_rank": memory})
         log(
             f"done: test accuracy {100 * final['test_accuracy']:.2f}% | {final['samples_per_s']:.0f} samples/s | "
             f"{final['wall_time_s']:.1f} s | {cfg.out}/metrics.jsonl, {cfg.out}/run.json"

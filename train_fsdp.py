@@ -25,6 +25,7 @@ from common.data import GlobalBatchSampler, load_dataset, to_device_batch
 from common.distributed import RankLogger, run, seed_everything, setup_distributed, teardown_distributed
 from common.metrics import MetricsWriter, measure_memory, write_run_json
 from common.model import blocks, build_model
+from common.profiling import StepProfiler
 from common.training import (
     build_optimizer,
     check_finite,
@@ -129,7 +130,12 @@ def train(cfg, env) -> None:
         start_step = load_checkpoint(path, model=model, optimizers=[optimizer])
         log(f"resumed from {path} (step {start_step})")
     metrics = MetricsWriter(
-        cfg.out, enabled=env.is_main, total_steps=steps, log_every=cfg.log_every, start_step=start_step
+        cfg.out,
+        enabled=env.is_main,
+        total_steps=steps,
+        log_every=cfg.log_every,
+        start_step=start_step,
+        tensorboard=cfg.tensorboard,
     )
 
     def run_eval(step: int) -> None:
@@ -140,30 +146,41 @@ def train(cfg, env) -> None:
         model.train()
         metrics.eval(step, test_loss=test_loss, test_accuracy=test_accuracy)
 
+    # --profile-steps: torch.profiler and named spans over those steps only; without it, no-ops
+    profiler = StepProfiler(
+        cfg.profile_steps, out_dir=cfg.out, rank=env.rank, device=env.device, memory=cfg.memory_snapshot
+    )
+
     # ---- training loop
     model.train()
     for step in range(start_step + 1, steps + 1):
         started = time.perf_counter()
+        profiler.step_start(step)
         lr = lr_at(step, cfg)
         set_lr(optimizer, lr)
         optimizer.zero_grad(set_to_none=True)
-        indices = sampler.rank_batch(step, env.rank, env.world_size)  # this rank's slice of the global batch
-        images, labels = to_device_batch(data.train, indices, data, env.device)
+        with profiler.span("data"):
+            indices = sampler.rank_batch(step, env.rank, env.world_size)  # this rank's slice of the global batch
+            images, labels = to_device_batch(data.train, indices, data, env.device)
         loss_sum = torch.zeros((), device=env.device)
         for i, (x, y) in enumerate(zip(images.split(micro_batch_size), labels.split(micro_batch_size))):
             # On all but the last micro-step, skip the gradient reduction: gradients accumulate locally
             # and only the last backward reduces their sum, once.
             is_last = i == cfg.grad_accum_steps - 1
             model.set_requires_gradient_sync(is_last)  # [FSDP] no reduce-scatter until the last micro-step
-            # divided by the accumulation steps, the summed gradients are those of the chunk mean
-            loss = F.cross_entropy(model(x), y) / cfg.grad_accum_steps
-            loss.backward()
+            with profiler.span("forward"):  # [FSDP] each unit's all-gather shows inside it: "FSDP::all_gather"
+                # divided by the accumulation steps, the summed gradients are those of the chunk mean
+                loss = F.cross_entropy(model(x), y) / cfg.grad_accum_steps
+            with profiler.span("backward"):  # [FSDP] the reduce-scatter shows as "FSDP::post_backward_reduce"
+                loss.backward()
             loss_sum += loss.detach()
-        optimizer.step()
+        with profiler.span("optimizer"):
+            optimizer.step()
 
         # loss_sum is this rank's mean loss; the mean over ranks is the mean over the whole global batch
         loss_value = global_mean(loss_sum)
         check_finite(loss_value, step)
+        profiler.step_end(step)
         metrics.train(step, loss=loss_value, lr=lr, samples=cfg.batch_size, step_time_s=time.perf_counter() - started)
         if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
             run_eval(step)
@@ -176,6 +193,7 @@ def train(cfg, env) -> None:
     n_params, shards = sum(p.numel() for p in model.parameters()), mesh["shard"].size()
     per_param = {"param_bytes": 4, "grad_bytes": 4, "optim_bytes": 8 if cfg.optimizer == "adamw" else 4}
     theory = {"parameters": n_params, "shards": shards, **{k: v * n_params / shards for k, v in per_param.items()}}
+    profile = profiler.report()
     run_eval(steps)
     # [FSDP] A plain model.pt for inference without a process group: every rank helps gather, rank 0 writes.
     full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -185,7 +203,7 @@ def train(cfg, env) -> None:
         final = metrics.final()
         write_run_json(
             cfg.out,
-            **describe_run(cfg, env, mesh=dict(zip(mesh.mesh_dim_names, mesh.shape))),
+            **describe_run(cfg, env, mesh=dict(zip(mesh.mesh_dim_names, mesh.shape)), profile=profile),
             final=final,
             memory={"per_rank": memory, "theory": theory},
         )

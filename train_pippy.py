@@ -40,6 +40,8 @@ from common.pipeline import (
     stage_output_shapes,
     stage_owner,
 )
+from common.pipeline_actions import ActionClock
+from common.profiling import StepProfiler
 from common.training import (
     autocast,
     build_optimizer,
@@ -148,7 +150,12 @@ def train(cfg, env) -> None:
         start_step = load_checkpoint(path, model=local_model, optimizers=optimizers)
         log(f"resumed from {path} (step {start_step})")
     metrics = MetricsWriter(
-        cfg.out, enabled=is_logger, total_steps=steps, log_every=cfg.log_every, start_step=start_step
+        cfg.out,
+        enabled=is_logger,
+        total_steps=steps,
+        log_every=cfg.log_every,
+        start_step=start_step,
+        tensorboard=cfg.tensorboard,
     )
     meter = BubbleMeter(stages, env.device)  # [PP] time in stage compute; the rest of a step is the bubble
 
@@ -188,15 +195,24 @@ def train(cfg, env) -> None:
                 module.reshard()  # forward-only left the parameters gathered; shard them again
         metrics.eval(step, test_loss=test_loss, test_accuracy=test_accuracy)
 
+    # --profile-steps: torch.profiler and named spans over those steps only; without it, no-ops
+    profiler = StepProfiler(
+        cfg.profile_steps, out_dir=cfg.out, rank=env.rank, device=env.device, memory=cfg.memory_snapshot
+    )
+    clock = ActionClock(stages, profiler.span)  # [PP] when each action ran (timeline.json), a span per action
+
     # ---- training loop
     for step in range(start_step + 1, steps + 1):
         started = time.perf_counter()
+        profiler.step_start(step)
+        clock.start_step(started)
         lr = lr_at(step, cfg)
         if optimizer:
             set_lr(optimizer, lr)
             optimizer.zero_grad(set_to_none=True)
-        indices = sampler.rank_batch(step, replica, cfg.dp)  # this replica's slice of the global batch
-        images, labels = to_device_batch(data.train, indices, data, env.device)
+        with profiler.span("data"):
+            indices = sampler.rank_batch(step, replica, cfg.dp)  # this replica's slice of the global batch
+            images, labels = to_device_batch(data.train, indices, data, env.device)
         loss_sum = torch.zeros((), device=env.device)
         for x, y in zip(images.split(chunk), labels.split(chunk)):
             losses: list[torch.Tensor] = []
@@ -215,9 +231,12 @@ def train(cfg, env) -> None:
         dist.all_reduce(loss_sum)
         loss_value = loss_sum.item() / cfg.dp
         meter.end_step(started)
+        clock.end_step()
         check_finite(loss_value, step)
         if optimizer:
-            optimizer.step()
+            with profiler.span("optimizer"):
+                optimizer.step()
+        profiler.step_end(step)
         metrics.train(step, loss=loss_value, lr=lr, samples=cfg.batch_size, step_time_s=time.perf_counter() - started)
         if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
             run_eval(step)
@@ -233,6 +252,17 @@ def train(cfg, env) -> None:
         n_microbatches=cfg.n_microbatches,
         schedule=cfg.schedule,
         first_step=start_step + 1,
+    )
+    profile = profiler.report()
+    clock.write(
+        cfg.out,
+        write=is_logger,
+        pp_size=pp_size,
+        step=steps,
+        schedule=cfg.schedule,
+        n_microbatches=cfg.n_microbatches,
+        stage_layers=[list(piece._modules) for piece in pieces],
+        bubble={key: bubble[key] for key in ("measured", "theory")} if bubble else None,
     )
     run_eval(steps)
     if is_logger:
@@ -252,6 +282,7 @@ def train(cfg, env) -> None:
                     ],
                     "evaluation": "stage by stage (send/recv)" if local_handoff else "schedule.eval()",
                 },
+                profile=profile,
             ),
             final=final,
             memory={"per_rank": memory},

@@ -128,6 +128,8 @@ def table_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
                 "samples/s": final.get("samples_per_s"),
                 "memory/rank (MiB)": max(run.memory_per_rank()) / 2**20,
                 "max |Δloss| vs ref": max_loss_delta(run, runs[0]),
+                # --profile-steps runs only: the share of collective time that computation hid
+                "comm hidden": (run.info.get("profile") or {}).get("comm_hidden_fraction"),
             }
         )
     return rows
@@ -136,7 +138,7 @@ def table_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
 def _cell(key: str, value: Any) -> str:
     if value is None:
         return "-"
-    if key == "test accuracy":
+    if key in ("test accuracy", "comm hidden"):
         return f"{100 * value:.2f}%"
     if key == "max |Δloss| vs ref":
         return f"{value:.1e}"

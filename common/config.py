@@ -12,6 +12,8 @@ second before torchrun starts any worker.
 from __future__ import annotations
 
 import dataclasses
+import glob
+import importlib.util
 from dataclasses import dataclass, fields
 
 from common.errors import UserError
@@ -105,6 +107,12 @@ class Config:
     """Keep only the newest this many checkpoints, deleting older ones after each save (0: keep all)."""
     resume: bool = False
     """Continue from the latest complete checkpoint in --out."""
+    profile_steps: str = ""
+    """Profile steps A:B (e.g. 3:5) with torch.profiler: one Chrome trace per rank in <out>/traces/."""
+    memory_snapshot: bool = False
+    """CUDA only: record the allocator over --profile-steps into <out>/traces/ (for pytorch.org/memory_viz)."""
+    tensorboard: bool = False
+    """Also write every train and eval record as TensorBoard scalars under <out>/tensorboard/."""
 
     # --- runtime ---
     device: str = "auto"
@@ -168,6 +176,7 @@ class Config:
             "checkpoint-every",
             f"must be 0 (never) or positive, got {self.checkpoint_every}",
         )
+        self.check_observability()
         need(self.keep >= 0, "keep", f"must be 0 (keep all) or positive, got {self.keep}")
         need(self.threads >= 0, "threads", f"must be 0 (automatic) or positive, got {self.threads}")
         need(self.timeout_s >= 1, "timeout-s", f"must be at least 1 second, got {self.timeout_s}")
@@ -189,6 +198,22 @@ class Config:
         if world_size is not None:
             self.check_world_size(world_size)
         return self
+
+    def check_observability(self) -> None:
+        a, _, b = self.profile_steps.partition(":")
+        ok = not self.profile_steps or (a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b))
+        if not ok:
+            raise ConfigError(f"--profile-steps: expected A:B with 1 <= A <= B (e.g. 3:5), got {self.profile_steps!r}")
+        # "auto" without torch: no NVIDIA device node means CPU (the worker checks torch.cuda again)
+        on_cpu = self.device == "cpu" or (self.device == "auto" and not glob.glob("/dev/nvidia[0-9]*"))
+        if self.memory_snapshot and on_cpu:
+            raise ConfigError(
+                "--memory-snapshot: needs CUDA (it records the CUDA allocator); this run is on CPU: drop the flag"
+            )
+        if self.memory_snapshot and not self.profile_steps:
+            raise ConfigError("--memory-snapshot: records the profiled steps; add --profile-steps A:B (e.g. 3:5)")
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("--tensorboard: the tensorboard package is not installed; pip install tensorboard")
 
     def check_world_size(self, world_size: int) -> None:
         """The checks that need the number of processes: every rank must get an equal share of a batch."""

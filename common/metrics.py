@@ -52,7 +52,16 @@ def measure_memory(
 class MetricsWriter:
     """Appends records to metrics.jsonl and prints progress; a no-op on every rank but the logging one."""
 
-    def __init__(self, out_dir: str, *, enabled: bool, total_steps: int, log_every: int, start_step: int = 0) -> None:
+    def __init__(
+        self,
+        out_dir: str,
+        *,
+        enabled: bool,
+        total_steps: int,
+        log_every: int,
+        start_step: int = 0,
+        tensorboard: bool = False,
+    ) -> None:
         self.enabled, self.total_steps, self.log_every = enabled, total_steps, log_every
         self.start_step = start_step
         self.started = time.perf_counter()
@@ -60,6 +69,11 @@ class MetricsWriter:
         self.last_eval: dict[str, Any] = {}
         self.samples, self.train_time = 0, 0.0
         self._file = None
+        self._scalars = None  # --tensorboard: the same records as TensorBoard scalars
+        if enabled and tensorboard:
+            from common.tensorboard import ScalarWriter  # only with the flag: tensorboard is optional
+
+            self._scalars = ScalarWriter(out_dir)
         if enabled:
             os.makedirs(out_dir, exist_ok=True)
             path = os.path.join(out_dir, "metrics.jsonl")
@@ -73,6 +87,8 @@ class MetricsWriter:
         if self._file:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+        if self._scalars:
+            self._scalars.write(record)
 
     def train(self, step: int, *, loss: float, lr: float, samples: int, step_time_s: float) -> None:
         self.samples += samples
@@ -115,6 +131,9 @@ class MetricsWriter:
         }
 
     def close(self) -> None:
+        if self._scalars:
+            self._scalars.close()
+            self._scalars = None
         if self._file:
             self._file.close()
             self._file = None

@@ -1,0 +1,152 @@
+"""--profile-steps A:B: torch.profiler over steps A..B, one Chrome trace per rank, and the share of the
+time in collectives that computation hid (run.json "profile"). --memory-snapshot adds a CUDA memory
+snapshot of the same steps. See docs/profiling.md.
+
+Off (the default) a StepProfiler holds no profiler: `span()` returns one shared no-op context and the
+step hooks compare two integers, so the training loop pays nothing measurable for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Any, ContextManager, Sequence
+
+import torch
+import torch.distributed as dist
+
+from common.config import ConfigError
+
+_OFF = contextlib.nullcontext()  # reusable: entering it does nothing
+# Collectives as the profiler names them: gloo/NCCL run them on their own threads ("gloo:all_reduce",
+# "nccl:all_gather" ...); "c10d::" ops are the calls that enqueue them and are neither comm nor compute.
+COMM_PREFIXES = ("gloo:", "nccl:")
+NOT_COMPUTE = ("c10d::", "record_param_comms", "ProfilerStep", "PyTorch Profiler")
+
+Interval = tuple[float, float]
+
+
+def parse_steps(spec: str) -> tuple[int, int]:
+    first, last = (int(x) for x in spec.split(":"))
+    return first, last
+
+
+def union(intervals: Sequence[Interval]) -> list[Interval]:
+    """Sorted, non-overlapping intervals covering the same time."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def overlap_s(a: Sequence[Interval], b: Sequence[Interval]) -> float:
+    """Time covered by both sets of intervals."""
+    a, b = union(a), union(b)
+    total, j = 0.0, 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            total += min(end, b[k][1]) - max(start, b[k][0])
+            k += 1
+    return total
+
+
+def comm_overlap(events: Sequence[dict]) -> dict[str, float]:
+    """From one rank's Chrome trace events: seconds in collectives (their union) and how many of those
+    seconds some computation ran at the same time on this rank (any operator on a thread that is not a
+    communication thread). hidden / comm is the share of communication hidden behind compute."""
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    comm = [e for e in spans if e["name"].startswith(COMM_PREFIXES)]
+    comm_threads = {e.get("tid") for e in comm}
+    compute = [
+        e
+        for e in spans
+        if e.get("cat") == "cpu_op" and e.get("tid") not in comm_threads and not e["name"].startswith(NOT_COMPUTE)
+    ]
+    as_intervals = lambda es: [(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in es]  # noqa: E731 (µs -> s)
+    comm_s = sum(end - start for start, end in union(as_intervals(comm)))
+    return {"comm_s": comm_s, "hidden_s": overlap_s(as_intervals(comm), as_intervals(compute))}
+
+
+class StepProfiler:
+    """The profiler of one rank over steps [first, last] (both included), or nothing at all."""
+
+    def __init__(self, spec: str, *, out_dir: str, rank: int, device: torch.device, memory: bool = False) -> None:
+        self.enabled = bool(spec)
+        self.first, self.last = parse_steps(spec) if spec else (0, -1)
+        self.out_dir, self.rank, self.device, self.memory = out_dir, rank, device, memory
+        if memory and device.type != "cuda":
+            raise ConfigError("--memory-snapshot: needs CUDA (it records the CUDA caching allocator); drop the flag")
+        self._profiler: Any = None
+        self._step_span: Any = None
+        self.result: dict[str, Any] | None = None
+
+    def span(self, name: str) -> ContextManager:
+        """A named span in the trace while profiling; a no-op otherwise."""
+        return _OFF if self._profiler is None else torch.profiler.record_function(name)
+
+    def step_start(self, step: int) -> None:
+        if step == self.first:
+            if self.memory:
+                torch.cuda.memory._record_memory_history(max_entries=200_000)
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cpu":  # else kineto logs "gpuGetDeviceCount failed" on a machine with no GPU
+                os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(activities=activities, record_shapes=False)
+            self._profiler.start()
+        if self._profiler is not None:
+            self._step_span = torch.profiler.record_function(f"step {step}")
+            self._step_span.__enter__()
+
+    def step_end(self, step: int) -> None:
+        if self._step_span is not None:
+            self._step_span.__exit__(None, None, None)
+            self._step_span = None
+        if step == self.last:
+            self._stop()
+
+    def _stop(self) -> None:
+        if self._profiler is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._profiler.stop()
+        traces = os.path.join(self.out_dir, "traces")
+        os.makedirs(traces, exist_ok=True)
+        path = os.path.join(traces, f"rank{self.rank}.json")
+        self._profiler.export_chrome_trace(path)
+        self._profiler = None
+        with open(path) as f:
+            self.result = {"rank": self.rank, "trace": path, **comm_overlap(json.load(f)["traceEvents"])}
+        if self.memory:
+            snapshot = os.path.join(self.out_dir, "traces", f"memory_rank{self.rank}.pickle")
+            torch.cuda.memory._dump_snapshot(snapshot)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.result["memory_snapshot"] = snapshot
+
+    def report(self) -> dict[str, Any] | None:
+        """run.json's "profile" section. Every rank calls it (it gathers) when profiling is on."""
+        if not self.enabled:
+            return None
+        self._stop()  # the run ended inside the window
+        results: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(results, self.result)
+        per_rank = [r for r in results if r]
+        comm, hidden = sum(r["comm_s"] for r in per_rank), sum(r["hidden_s"] for r in per_rank)
+        return {
+            "steps": [self.first, self.last],
+            "comm_s": comm,
+            "comm_hidden_fraction": min(1.0, hidden / comm) if comm > 0 else None,
+            "per_rank": per_rank,
+            "definition": "comm_s = time in collectives (gloo/NCCL spans, their union per rank) over the profiled "
+            "steps, summed over ranks; comm_hidden_fraction = the part of it during which an operator ran on a "
+            "compute thread of the same rank, divided by comm_s",
+        }
