@@ -164,7 +164,7 @@ def train(cfg, env) -> None:
     model.train()
     for step in range(start_step + 1, steps + 1):
         started = time.perf_counter()
-        lr = lr_at(step, cfg)
+        lr = lr_at(step, cfg, last_step=steps)
         set_lr(optimizer, lr)
         optimizer.zero_grad(set_to_none=True)
         indices = sampler.rank_batch(step, env.rank, env.world_size)  # this rank's slice of the global batch

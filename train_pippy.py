@@ -195,7 +195,7 @@ def train(cfg, env) -> None:
     # ---- training loop
     for step in range(start_step + 1, steps + 1):
         started = time.perf_counter()
-        lr = lr_at(step, cfg)
+        lr = lr_at(step, cfg, last_step=steps)
         if optimizer:
             set_lr(optimizer, lr)
             optimizer.zero_grad(set_to_none=True)
