@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.checkpoint import latest_checkpoint, load_checkpoint, resume_requested, save_checkpoint
 from common.cli import parse_config
+from common.clipping import clip_grad_norm
 from common.data import GlobalBatchSampler, load_dataset, to_device_batch
 from common.distributed import RankLogger, run, seed_everything, setup_distributed, teardown_distributed
 from common.metrics import MetricsWriter, measure_memory, write_run_json
@@ -124,12 +125,22 @@ def train(cfg, env) -> None:
                     loss = F.cross_entropy(model(x), y) / cfg.grad_accum_steps
                 loss.backward()
             loss_sum += loss.detach()
+        # [DDP] Clip once per step, after the last backward. The gradients are all-reduced by then: each rank
+        # holds the whole model's gradient, so its own norm is the global one and needs no collective.
+        grad_norm = clip_grad_norm(model.parameters(), cfg.max_grad_norm)
         optimizer.step()
 
         # loss_sum is this rank's mean loss; the mean over ranks is the mean over the whole global batch
         loss_value = global_mean(loss_sum)
         check_finite(loss_value, step)
-        metrics.train(step, loss=loss_value, lr=lr, samples=cfg.batch_size, step_time_s=time.perf_counter() - started)
+        metrics.train(
+            step,
+            loss=loss_value,
+            lr=lr,
+            grad_norm=grad_norm,
+            samples=cfg.batch_size,
+            step_time_s=time.perf_counter() - started,
+        )
         if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
             run_eval(step)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:

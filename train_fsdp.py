@@ -24,6 +24,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from common.checkpoint import latest_checkpoint, load_checkpoint, resume_requested, save_checkpoint
 from common.cli import parse_config
+from common.clipping import clip_grad_norm
 from common.data import GlobalBatchSampler, load_dataset, to_device_batch
 from common.distributed import RankLogger, run, seed_everything, setup_distributed, teardown_distributed
 from common.metrics import MetricsWriter, measure_memory, write_run_json
@@ -179,12 +180,23 @@ def train(cfg, env) -> None:
             loss = F.cross_entropy(model(x), y) / cfg.grad_accum_steps
             loss.backward()
             loss_sum += loss.detach()
+        # [FSDP] Clip once per step, after the last backward, by the norm of the whole gradient: each rank
+        # holds a shard of it, so the sums of squares are added over the "shard" dim of the mesh (hybrid's
+        # "replicate" rows hold the same shards again; none's shard rows are one rank each).
+        grad_norm = clip_grad_norm(model.parameters(), cfg.max_grad_norm, groups=[mesh.get_group("shard")])
         optimizer.step()
 
         # loss_sum is this rank's mean loss; the mean over ranks is the mean over the whole global batch
         loss_value = global_mean(loss_sum)
         check_finite(loss_value, step)
-        metrics.train(step, loss=loss_value, lr=lr, samples=cfg.batch_size, step_time_s=time.perf_counter() - started)
+        metrics.train(
+            step,
+            loss=loss_value,
+            lr=lr,
+            grad_norm=grad_norm,
+            samples=cfg.batch_size,
+            step_time_s=time.perf_counter() - started,
+        )
         if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
             run_eval(step)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:

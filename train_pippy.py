@@ -29,6 +29,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from common.checkpoint import latest_checkpoint, load_checkpoint, resume_requested, save_checkpoint
 from common.cli import parse_config
+from common.clipping import clip_grad_norm
 from common.data import GlobalBatchSampler, load_dataset, to_device_batch
 from common.distributed import RankLogger, run, seed_everything, setup_distributed, teardown_distributed
 from common.metrics import MetricsWriter, measure_memory, write_run_json
@@ -220,9 +221,21 @@ def train(cfg, env) -> None:
         loss_value = loss_sum.item() / cfg.dp
         meter.end_step(started)
         check_finite(loss_value, step)
+        # [PP] Clip by the norm of the whole model, not of this rank's stages: the sums of squares are added
+        # over the pipeline ranks (other stages) and, with --dp, the replicas (FSDP2 shards of each stage), so
+        # every stage scales by the same factor. Every rank takes part, also one without parameters.
+        grad_groups = [mesh.get_group("pp")] + ([mesh.get_group("dp")] if cfg.dp > 1 else [])
+        grad_norm = clip_grad_norm(params, cfg.max_grad_norm, groups=grad_groups)
         if optimizer:
             optimizer.step()
-        metrics.train(step, loss=loss_value, lr=lr, samples=cfg.batch_size, step_time_s=time.perf_counter() - started)
+        metrics.train(
+            step,
+            loss=loss_value,
+            lr=lr,
+            grad_norm=grad_norm,
+            samples=cfg.batch_size,
+            step_time_s=time.perf_counter() - started,
+        )
         if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
             run_eval(step)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
