@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from common.checkpoint import latest_checkpoint, load_checkpoint, resume_requested, save_checkpoint
 from common.cli import parse_config
 from common.clipping import clip_grad_norm
+from common.compiling import compile_modules
 from common.data import GlobalBatchSampler, load_dataset, to_device_batch
 from common.distributed import RankLogger, run, seed_everything, setup_distributed, teardown_distributed
 from common.metrics import MetricsWriter, measure_memory, write_run_json
@@ -87,6 +88,10 @@ def train(cfg, env) -> None:
     # hooks that all-reduce gradients during backward. gradient_as_bucket_view: the .grad tensors live in
     # DDP's communication buckets instead of beside them, which saves one copy of the gradients.
     model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None, gradient_as_bucket_view=True)
+    if cfg.compile:
+        # [DDP] Compile the wrapped model, as DDP's notes ask (docs/training.md): dynamo's DDPOptimizer then
+        # splits the graph at DDP's bucket boundaries, so each bucket still all-reduces during backward.
+        compile_modules([model], env.device)
     optimizer = build_optimizer(model.parameters(), cfg)
 
     start_step = 0

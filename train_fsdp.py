@@ -25,6 +25,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from common.checkpoint import latest_checkpoint, load_checkpoint, resume_requested, save_checkpoint
 from common.cli import parse_config
 from common.clipping import clip_grad_norm
+from common.compiling import compile_modules
 from common.data import GlobalBatchSampler, load_dataset, to_device_batch
 from common.distributed import RankLogger, run, seed_everything, setup_distributed, teardown_distributed
 from common.metrics import MetricsWriter, measure_memory, write_run_json
@@ -137,6 +138,11 @@ def train(cfg, env) -> None:
     # the root, so the full parameters exist a block at a time: the pattern of a model too big to gather
     # whole (in a transformer, each layer is a block; a list of modules is one unit). The last block keeps
     # its parameters from forward to its backward, which comes right after: one all-gather fewer per step.
+    if cfg.compile:
+        # [FSDP] Compile before sharding. FSDP2's hooks (all-gather before a unit, reduce-scatter after its
+        # backward) are marked for dynamo to leave out, so the graph breaks at each unit's boundary: a graph
+        # per unit, with the collectives run eagerly between them, as torchtitan does per block.
+        compile_modules([model], env.device)
     if cfg.shard_units == "blocks":
         *first, last = model_blocks.values()
         for layers in first:

@@ -30,6 +30,7 @@ from torch.distributed.pipelining import PipelineStage
 from common.checkpoint import latest_checkpoint, load_checkpoint, resume_requested, save_checkpoint
 from common.cli import parse_config
 from common.clipping import clip_grad_norm
+from common.compiling import compile_stages
 from common.data import GlobalBatchSampler, load_dataset, to_device_batch
 from common.distributed import RankLogger, run, seed_everything, setup_distributed, teardown_distributed
 from common.metrics import MetricsWriter, measure_memory, write_run_json
@@ -120,6 +121,10 @@ def train(cfg, env) -> None:
     shapes = stage_output_shapes(pieces, data.train.images[:1].float())
     modules = {i: pieces[i].to(env.device) for i in my_stages}
     seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
+    if cfg.compile:
+        # [PP] Each stage module is compiled on its own: the schedule calls it per micro-batch, and the
+        # send/recv between stages stays outside the graphs.
+        compile_stages(list(modules.values()), env.device)
     if cfg.dp > 1:
         for module in modules.values():
             if list(module.parameters()):  # a parameter-free stage has nothing to shard

@@ -251,6 +251,12 @@ class Config:
                 f"--stages-per-rank: {self.schedule} is a schedule for 2 or more stages per rank, "
                 f"got {v}; use gpipe or 1f1b for one"
             )
+        if self.compile and self.schedule in ("interleaved-zb", "zbv", "dualpipev"):
+            raise ConfigError(
+                f"--compile: {self.schedule} splits each stage's backward into input- and weight-gradient passes, "
+                f"which a compiled stage (one fused backward graph) cannot run; use 1f1b, gpipe, interleaved-1f1b "
+                f"or looped-bfs, or drop --compile"
+            )
         n_stages = pp_size * v
         if n_stages > PIPELINE_MAX_STAGES:
             raise ConfigError(

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.helpers import SMALL, losses, read_metrics, run_command, run_many
+from tests.helpers import SMALL, losses, read_metrics, read_run, run_command, run_many
 
 STEPS = 20
 # Clipping active on most steps: at this batch and learning rate the whole gradient's norm stays above 0.5
@@ -37,6 +37,10 @@ ON_4_RANKS = {
     "pp-dp2": ("pippy", ["--dp", "2"]),  # 2 replicas x 2 stages, each stage FSDP-sharded over the replicas
     "pp-dp2-zbv": ("pippy", ["--dp", "2", "--schedule", "zbv", "--stages-per-rank", "2"]),
 }
+# --compile against eager (the reference's first 10 steps: the constant rate makes a 10-step run its prefix):
+# the DDP and FSDP scripts on one process, the pipeline on four (1F1B, a compiled graph per stage)
+COMPILE_STEPS = 10
+COMPILED = ["--compile", "--max-steps", str(COMPILE_STEPS)]
 REFERENCE = {"fsdp-bf16": "ref-bf16"}  # bf16 compute compares with bf16 compute (FSDP's, on one process)
 
 
@@ -48,9 +52,12 @@ def runs(tmp_path_factory):
         "ref-bf16": ("fsdp", [*CLIP, "--precision", "bf16"]),
         "unclipped": ("ddp", [*CLIP, "--max-grad-norm", "0"]),
         "cosine": ("ddp", [*CLIP, *COSINE, "--max-steps", "40"]),
+        "ddp-compiled": ("ddp", [*CLIP, *COMPILED]),
+        "fsdp-compiled-blocks": ("fsdp", [*CLIP, *COMPILED, "--shard-units", "blocks"]),
     }
     run_many({root / name: run for name, run in on_1.items()}, 1)
-    run_many({root / name: (strategy, [*CLIP, *flags]) for name, (strategy, flags) in ON_4_RANKS.items()}, 4)
+    on_4 = {**ON_4_RANKS, "pp-compiled": ("pippy", COMPILED)}
+    run_many({root / name: (strategy, [*CLIP, *flags]) for name, (strategy, flags) in on_4.items()}, 4)
     return root
 
 
@@ -72,6 +79,15 @@ def test_clipped_runs_match_one_process(runs, name):
     assert max(loss_deltas[:fp32_steps]) <= 1e-4, f"{name}: loss differs by {max(loss_deltas):.1e}"
     assert max(norm_deltas[:fp32_steps]) <= 1e-4, f"{name}: grad_norm differs by {max(norm_deltas):.1e} relative"
     assert max(loss_deltas) <= 1e-2 and max(norm_deltas) <= 3e-2, (loss_deltas, norm_deltas)
+
+
+@pytest.mark.parametrize("name", ["ddp-compiled", "fsdp-compiled-blocks", "pp-compiled"])
+def test_compiled_runs_match_eager(runs, name):
+    ref_losses, ref_norms = losses(runs / "ref")[:COMPILE_STEPS], grad_norms(runs / "ref")[:COMPILE_STEPS]
+    loss_deltas = [abs(a - b) for a, b in zip(losses(runs / name), ref_losses, strict=True)]
+    norm_deltas = [abs(a - b) / b for a, b in zip(grad_norms(runs / name), ref_norms, strict=True)]
+    assert max(loss_deltas) <= 1e-4 and max(norm_deltas) <= 1e-4, (name, loss_deltas, norm_deltas)
+    assert read_run(runs / name)["config"]["compile"] is True
 
 
 def test_clipping_is_active_and_changes_the_run(runs):

@@ -89,3 +89,22 @@ def test_bf16_gradients_are_summed_in_fp32():
 
 def test_no_gradients_is_a_zero_norm_and_nothing_to_scale():
     assert clip_grad_norm([torch.nn.Parameter(torch.ones(3))], 1.0) == 0.0
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-zb", "zbv", "dualpipev"])
+def test_compile_refuses_the_split_backward_schedules(schedule):
+    with pytest.raises(ConfigError, match=f"^--compile: {schedule} splits each stage's backward"):
+        parse_config("pippy", ["--compile", "--schedule", schedule, "--stages-per-rank", "2"], world_size=2)
+    parse_config("pippy", ["--compile", "--schedule", "interleaved-1f1b", "--stages-per-rank", "2"], world_size=2)
+
+
+def test_compile_without_a_cpp_compiler_is_one_line_before_torchrun(monkeypatch, capsys, tmp_path):
+    from common.preflight import main as preflight
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no g++, no clang++
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        preflight(["ddp", "--world-size", "4", "--compile", "--device", "cpu"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--compile: inductor's CPU backend needs a C++ compiler" in err, err
