@@ -91,9 +91,9 @@ def load_run(path: str) -> Run:
             if record["kind"] == "train":
                 run.losses[record["step"]] = record["loss"]
                 run.step_times[record["step"]] = record["step_time_s"]
-                run.lrs[record["step"]] = record["lr"]
-                if "grad_norm" in record:  # runs from before grad_norm was logged have none
-                    run.grad_norms[record["step"]] = record["grad_norm"]
+                for key, into in (("lr", run.lrs), ("grad_norm", run.grad_norms)):
+                    if key in record:  # (files written by hand or by older versions may lack them)
+                        into[record["step"]] = record[key]
             else:
                 run.evals.append(record)
     return run
@@ -195,7 +195,7 @@ def plot(runs: Sequence[Run], out: str, *, log_scale: bool) -> None:
             t += run.step_times[s]
             elapsed.append(t)
         ax_time.plot(elapsed, [run.losses[s] for s in steps], **style)
-        ax_lr.plot(steps, [run.lrs[s] for s in steps], **style)
+        ax_lr.plot(sorted(run.lrs), [run.lrs[s] for s in sorted(run.lrs)], **style)
         if run.grad_norms:
             ax_norm.plot(sorted(run.grad_norms), [run.grad_norms[s] for s in sorted(run.grad_norms)], **style)
         if run.evals:
