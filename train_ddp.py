@@ -18,6 +18,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.checkpoint import latest_checkpoint, load_checkpoint, resume_requested, save_checkpoint
 from common.cli import parse_config
+from common.clipping import clip_grad_norm
+from common.compiling import compile_modules
 from common.data import GlobalBatchSampler, load_dataset, to_device_batch
 from common.distributed import RankLogger, run, seed_everything, setup_distributed, teardown_distributed
 from common.metrics import MetricsWriter, measure_memory, write_run_json
@@ -84,6 +86,10 @@ def train(cfg, env) -> None:
     seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
     # [DDP] Hooks all-reduce gradients during backward; .grad lives in DDP's buckets (one copy fewer).
     model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None, gradient_as_bucket_view=True)
+    if cfg.compile:
+        # [DDP] Compile the wrapped model, as DDP's notes ask (docs/training.md): dynamo's DDPOptimizer then
+        # splits the graph at DDP's bucket boundaries, so each bucket still all-reduces during backward.
+        compile_modules([model], env.device)
     optimizer = build_optimizer(model.parameters(), cfg)
 
     start_step = 0
@@ -117,7 +123,7 @@ def train(cfg, env) -> None:
     for step in range(start_step + 1, steps + 1):
         started = time.perf_counter()
         profiler.step_start(step)
-        lr = lr_at(step, cfg)
+        lr = lr_at(step, cfg, last_step=steps)
         set_lr(optimizer, lr)
         optimizer.zero_grad(set_to_none=True)
         with profiler.span("data"):
@@ -136,6 +142,9 @@ def train(cfg, env) -> None:
                 with profiler.span("backward"):
                     loss.backward()
             loss_sum += loss.detach()
+        # [DDP] Clip once per step, after the last backward. The gradients are all-reduced by then: each rank
+        # holds the whole model's gradient, so its own norm is the global one and needs no collective.
+        grad_norm = clip_grad_norm(model.parameters(), cfg.max_grad_norm)
         with profiler.span("optimizer"):
             optimizer.step()
 
@@ -143,7 +152,14 @@ def train(cfg, env) -> None:
         loss_value = global_mean(loss_sum)
         check_finite(loss_value, step)
         profiler.step_end(step)
-        metrics.train(step, loss=loss_value, lr=lr, samples=cfg.batch_size, step_time_s=time.perf_counter() - started)
+        metrics.train(
+            step,
+            loss=loss_value,
+            lr=lr,
+            grad_norm=grad_norm,
+            samples=cfg.batch_size,
+            step_time_s=time.perf_counter() - started,
+        )
         if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
             run_eval(step)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:

@@ -21,6 +21,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from common.checkpoint import latest_checkpoint, load_checkpoint, resume_requested, save_checkpoint
 from common.cli import parse_config
+from common.clipping import clip_grad_norm
+from common.compiling import compile_modules
 from common.data import GlobalBatchSampler, load_dataset, to_device_batch
 from common.distributed import RankLogger, run, seed_everything, setup_distributed, teardown_distributed
 from common.metrics import MetricsWriter, measure_memory, write_run_json
@@ -117,6 +119,11 @@ def train(cfg, env) -> None:
     # [FSDP] Each fully_shard call makes a unit (an all-gather before it, a reduce-scatter after its backward):
     # the root alone (fewest collectives), or each block then the root (full parameters a block at a time;
     # the last block keeps its parameters for its backward, which follows at once).
+    if cfg.compile:
+        # [FSDP] Compile before sharding. FSDP2's hooks (all-gather before a unit, reduce-scatter after its
+        # backward) are marked for dynamo to leave out, so the graph breaks at each unit's boundary: a graph
+        # per unit, with the collectives run eagerly between them, as torchtitan does per block.
+        compile_modules([model], env.device)
     if cfg.shard_units == "blocks":
         *first, last = model_blocks.values()
         for layers in first:
@@ -156,7 +163,7 @@ def train(cfg, env) -> None:
     for step in range(start_step + 1, steps + 1):
         started = time.perf_counter()
         profiler.step_start(step)
-        lr = lr_at(step, cfg)
+        lr = lr_at(step, cfg, last_step=steps)
         set_lr(optimizer, lr)
         optimizer.zero_grad(set_to_none=True)
         with profiler.span("data"):
@@ -174,6 +181,10 @@ def train(cfg, env) -> None:
             with profiler.span("backward"):  # [FSDP] the reduce-scatter shows as "FSDP::post_backward_reduce"
                 loss.backward()
             loss_sum += loss.detach()
+        # [FSDP] Clip once per step, after the last backward, by the norm of the whole gradient: each rank
+        # holds a shard of it, so the sums of squares are added over the "shard" dim of the mesh (hybrid's
+        # "replicate" rows hold the same shards again; none's shard rows are one rank each).
+        grad_norm = clip_grad_norm(model.parameters(), cfg.max_grad_norm, groups=[mesh.get_group("shard")])
         with profiler.span("optimizer"):
             optimizer.step()
 
@@ -181,7 +192,14 @@ def train(cfg, env) -> None:
         loss_value = global_mean(loss_sum)
         check_finite(loss_value, step)
         profiler.step_end(step)
-        metrics.train(step, loss=loss_value, lr=lr, samples=cfg.batch_size, step_time_s=time.perf_counter() - started)
+        metrics.train(
+            step,
+            loss=loss_value,
+            lr=lr,
+            grad_norm=grad_norm,
+            samples=cfg.batch_size,
+            step_time_s=time.perf_counter() - started,
+        )
         if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
             run_eval(step)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:

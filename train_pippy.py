@@ -25,6 +25,8 @@ from torch.distributed.pipelining import PipelineStage
 
 from common.checkpoint import latest_checkpoint, load_checkpoint, resume_requested, save_checkpoint
 from common.cli import parse_config
+from common.clipping import clip_grad_norm
+from common.compiling import compile_stages
 from common.data import GlobalBatchSampler, load_dataset, to_device_batch
 from common.distributed import RankLogger, run, seed_everything, setup_distributed, teardown_distributed
 from common.metrics import MetricsWriter, measure_memory, write_run_json
@@ -117,6 +119,10 @@ def train(cfg, env) -> None:
     shapes = stage_output_shapes(pieces, data.train.images[:1].float())
     modules = {i: pieces[i].to(env.device) for i in my_stages}
     seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
+    if cfg.compile:
+        # [PP] Each stage module is compiled on its own: the schedule calls it per micro-batch, and the
+        # send/recv between stages stays outside the graphs.
+        compile_stages(list(modules.values()), env.device)
     if cfg.dp > 1:
         for module in modules.values():
             if list(module.parameters()):  # a parameter-free stage has nothing to shard
@@ -206,7 +212,7 @@ def train(cfg, env) -> None:
         started = time.perf_counter()
         profiler.step_start(step)
         clock.start_step(started)
-        lr = lr_at(step, cfg)
+        lr = lr_at(step, cfg, last_step=steps)
         if optimizer:
             set_lr(optimizer, lr)
             optimizer.zero_grad(set_to_none=True)
@@ -233,11 +239,23 @@ def train(cfg, env) -> None:
         meter.end_step(started)
         clock.end_step()
         check_finite(loss_value, step)
+        # [PP] Clip by the norm of the whole model, not of this rank's stages: the sums of squares are added
+        # over the pipeline ranks (other stages) and, with --dp, the replicas (FSDP2 shards of each stage), so
+        # every stage scales by the same factor. Every rank takes part, also one without parameters.
+        grad_groups = [mesh.get_group("pp")] + ([mesh.get_group("dp")] if cfg.dp > 1 else [])
+        grad_norm = clip_grad_norm(params, cfg.max_grad_norm, groups=grad_groups)
         if optimizer:
             with profiler.span("optimizer"):
                 optimizer.step()
         profiler.step_end(step)
-        metrics.train(step, loss=loss_value, lr=lr, samples=cfg.batch_size, step_time_s=time.perf_counter() - started)
+        metrics.train(
+            step,
+            loss=loss_value,
+            lr=lr,
+            grad_norm=grad_norm,
+            samples=cfg.batch_size,
+            step_time_s=time.perf_counter() - started,
+        )
         if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
             run_eval(step)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:

@@ -2,7 +2,8 @@
 
     python -m common.compare runs/ref runs/ddp runs/fsdp runs/pippy --out compare.png [--markdown] [--log]
 
-The first run is the reference: the table gives every run's largest per-step |loss - reference loss|.
+The first run is the reference: the table gives every run's largest per-step |loss - reference loss| and
+largest relative |grad_norm - reference grad_norm| (the pre-clip global gradient norm).
 Runs whose data set, global batch, seed or model differ are refused (their curves are not comparable);
 `--force` compares them anyway and still prints the differences. Reads only metrics.jsonl and run.json.
 """
@@ -37,6 +38,8 @@ class Run:
     info: dict[str, Any]
     losses: dict[int, float] = field(default_factory=dict)  # step -> train loss
     step_times: dict[int, float] = field(default_factory=dict)  # step -> seconds
+    lrs: dict[int, float] = field(default_factory=dict)  # step -> learning rate
+    grad_norms: dict[int, float] = field(default_factory=dict)  # step -> pre-clip global gradient norm
     evals: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -88,6 +91,9 @@ def load_run(path: str) -> Run:
             if record["kind"] == "train":
                 run.losses[record["step"]] = record["loss"]
                 run.step_times[record["step"]] = record["step_time_s"]
+                for key, into in (("lr", run.lrs), ("grad_norm", run.grad_norms)):
+                    if key in record:  # (files written by hand or by older versions may lack them)
+                        into[record["step"]] = record[key]
             else:
                 run.evals.append(record)
     return run
@@ -113,6 +119,12 @@ def max_loss_delta(run: Run, ref: Run) -> float | None:
     return max(abs(run.losses[s] - ref.losses[s]) for s in common) if common else None
 
 
+def max_grad_norm_delta(run: Run, ref: Run) -> float | None:
+    """Largest |grad_norm - reference grad_norm| / reference grad_norm over the steps both runs logged."""
+    common = sorted(s for s in set(run.grad_norms) & set(ref.grad_norms) if ref.grad_norms[s])
+    return max(abs(run.grad_norms[s] - ref.grad_norms[s]) / ref.grad_norms[s] for s in common) if common else None
+
+
 def table_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
     rows = []
     for run in runs:
@@ -128,6 +140,7 @@ def table_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
                 "samples/s": final.get("samples_per_s"),
                 "memory/rank (MiB)": max(run.memory_per_rank()) / 2**20,
                 "max |Δloss| vs ref": max_loss_delta(run, runs[0]),
+                "max rel |Δgrad_norm| vs ref": max_grad_norm_delta(run, runs[0]),
                 # --profile-steps runs only: the share of collective time that computation hid
                 "comm hidden": (run.info.get("profile") or {}).get("comm_hidden_fraction"),
             }
@@ -140,7 +153,7 @@ def _cell(key: str, value: Any) -> str:
         return "-"
     if key in ("test accuracy", "comm hidden"):
         return f"{100 * value:.2f}%"
-    if key == "max |Δloss| vs ref":
+    if key.startswith("max "):
         return f"{value:.1e}"
     if key == "final train loss":
         return f"{value:.4f}"
@@ -166,8 +179,8 @@ def plot(runs: Sequence[Run], out: str, *, log_scale: bool) -> None:
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(17, 9.5))
-    (ax_step, ax_time, ax_acc), (ax_delta, ax_speed, ax_mem) = axes
+    fig, axes = plt.subplots(2, 4, figsize=(22, 9.5))
+    (ax_step, ax_time, ax_acc, ax_lr), (ax_delta, ax_norm, ax_speed, ax_mem) = axes
     ref = runs[0]
     for i, run in enumerate(runs):
         steps = sorted(run.losses)
@@ -184,6 +197,9 @@ def plot(runs: Sequence[Run], out: str, *, log_scale: bool) -> None:
             t += run.step_times[s]
             elapsed.append(t)
         ax_time.plot(elapsed, [run.losses[s] for s in steps], **style)
+        ax_lr.plot(sorted(run.lrs), [run.lrs[s] for s in sorted(run.lrs)], **style)
+        if run.grad_norms:
+            ax_norm.plot(sorted(run.grad_norms), [run.grad_norms[s] for s in sorted(run.grad_norms)], **style)
         if run.evals:
             ax_acc.plot(
                 [e["step"] for e in run.evals], [100 * e["test_accuracy"] for e in run.evals], marker="o", **style
@@ -200,6 +216,15 @@ def plot(runs: Sequence[Run], out: str, *, log_scale: bool) -> None:
         ylabel="|Δloss|",
         yscale="log",
     )
+    ax_lr.set(title="learning rate per step", xlabel="optimizer step", ylabel="lr")
+    max_norm = ref.config.get("max_grad_norm")
+    ax_norm.set(
+        title="global gradient norm before clipping" + (f" (clipped to {max_norm})" if max_norm else ""),
+        xlabel="optimizer step",
+        ylabel="grad_norm",
+    )
+    if max_norm:
+        ax_norm.axhline(max_norm, color="black", linestyle=":", linewidth=1)
     for ax in (ax_step, ax_time):
         if log_scale:
             ax.set_yscale("log")

@@ -24,6 +24,7 @@ PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 SHARDINGS = ("full", "grad-op", "hybrid", "none")
 SHARD_UNITS = ("model", "blocks")
+LR_SCHEDULES = ("constant", "cosine", "linear")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # exactly one stage per rank
 V_SCHEDULES = ("zbv", "dualpipev")  # exactly two stages per rank, placed in a V
@@ -61,11 +62,19 @@ class Config:
     optimizer: str = "adamw"
     """Optimizer: sgd (momentum 0.9) or adamw."""
     lr: float = 2e-3
-    """Peak learning rate, reached after --warmup-steps and kept constant afterwards."""
+    """Peak learning rate, reached after --warmup-steps (then kept, or decayed by --lr-schedule)."""
     weight_decay: float = 0.0
     """Weight decay (decoupled for adamw, L2 for sgd)."""
     warmup_steps: int = 20
     """Linear learning-rate warm-up from lr/warmup_steps to lr over this many steps (0: none)."""
+    lr_schedule: str = "constant"
+    """After warm-up: constant (keep --lr), or cosine / linear decay from --lr to --min-lr at the last step."""
+    min_lr: float = 0.0
+    """Learning rate at the run's last step with --lr-schedule cosine or linear."""
+    max_grad_norm: float = 0.0
+    """Clip gradients to this global L2 norm, over the whole model, once per optimizer step (0: off)."""
+    compile: bool = False
+    """torch.compile the model (DDP: the wrapped model; FSDP: each unit; pipeline: each stage module)."""
     dropout: float = 0.1
     """Dropout probability in the classifier (0 makes runs comparable step by step across strategies)."""
     seed: int = 0
@@ -167,6 +176,17 @@ class Config:
             f"must be a positive number, got {self.lr}",
         )
         need(0 <= self.weight_decay < float("inf"), "weight-decay", f"must be 0 or positive, got {self.weight_decay}")
+        need(
+            self.lr_schedule in LR_SCHEDULES,
+            "lr-schedule",
+            f"unknown schedule {self.lr_schedule!r}; choose one of {', '.join(LR_SCHEDULES)}",
+        )
+        need(0 <= self.min_lr <= self.lr, "min-lr", f"must be in [0, --lr {self.lr}], got {self.min_lr}")
+        need(
+            0 <= self.max_grad_norm < float("inf"),
+            "max-grad-norm",
+            f"must be 0 (off) or positive, got {self.max_grad_norm}",
+        )
         need(self.warmup_steps >= 0, "warmup-steps", f"must be 0 or positive, got {self.warmup_steps}")
         need(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), got {self.dropout}")
         need(self.log_every >= 1, "log-every", f"must be at least 1, got {self.log_every}")
@@ -255,6 +275,12 @@ class Config:
             raise ConfigError(
                 f"--stages-per-rank: {self.schedule} is a schedule for 2 or more stages per rank, "
                 f"got {v}; use gpipe or 1f1b for one"
+            )
+        if self.compile and self.schedule in ("interleaved-zb", "zbv", "dualpipev"):
+            raise ConfigError(
+                f"--compile: {self.schedule} splits each stage's backward into input- and weight-gradient passes, "
+                f"which a compiled stage (one fused backward graph) cannot run; use 1f1b, gpipe, interleaved-1f1b "
+                f"or looped-bfs, or drop --compile"
             )
         n_stages = pp_size * v
         if n_stages > PIPELINE_MAX_STAGES:

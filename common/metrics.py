@@ -1,10 +1,11 @@
 """The metrics contract: `<out>/metrics.jsonl`, `<out>/run.json` and the console lines.
 
 metrics.jsonl has one JSON object per line:
-    {"kind": "train", "step", "loss", "lr", "samples_per_s", "step_time_s"}   for every optimizer step
+    {"kind": "train", "step", "loss", "lr", "grad_norm", "samples_per_s", "step_time_s"}   every optimizer step
     {"kind": "eval", "step", "test_loss", "test_accuracy"}                    for every evaluation
 `loss` is the mean over the whole global batch (reduced across ranks); evaluations cover the whole test
-set. run.json describes the run (strategy, world, config), its final numbers and each rank's memory.
+set; `grad_norm` is the global L2 norm of the whole model's gradient before clipping (--max-grad-norm).
+run.json describes the run (strategy, world, config), its final numbers and each rank's memory.
 """
 
 from __future__ import annotations
@@ -90,7 +91,9 @@ class MetricsWriter:
         if self._scalars:
             self._scalars.write(record)
 
-    def train(self, step: int, *, loss: float, lr: float, samples: int, step_time_s: float) -> None:
+    def train(
+        self, step: int, *, loss: float, lr: float, samples: int, step_time_s: float, grad_norm: float | None = None
+    ) -> None:
         self.samples += samples
         self.train_time += step_time_s
         self.last_train = {
@@ -98,6 +101,7 @@ class MetricsWriter:
             "step": step,
             "loss": loss,
             "lr": lr,
+            **({} if grad_norm is None else {"grad_norm": grad_norm}),
             "samples_per_s": samples / step_time_s,
             "step_time_s": step_time_s,
         }
@@ -107,7 +111,8 @@ class MetricsWriter:
             eta = (time.perf_counter() - self.started) / done * (self.total_steps - step)
             print(
                 f"step {step:>5}/{self.total_steps} | loss {loss:.4f} | lr {lr:.2e} | "
-                f"{self.samples / self.train_time:7.0f} samples/s | ETA {_clock(eta)}",
+                + ("" if grad_norm is None else f"grad norm {grad_norm:.3f} | ")
+                + f"{self.samples / self.train_time:7.0f} samples/s | ETA {_clock(eta)}",
                 flush=True,
             )
 

@@ -14,6 +14,7 @@ import sys
 from typing import Sequence
 
 from common.cli import parse_config
+from common.compiling import require_compiler
 from common.config import STRATEGIES, ConfigError
 from common.errors import UserError, fail
 
@@ -87,6 +88,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         return  # the training script prints the help
     try:
         cfg = parse_config(strategy, rest, world_size=world_size)
+        if cfg.compile and cfg.device == "cpu":  # (with --device auto the workers check, once torch is loaded)
+            require_compiler("cpu")
         ensure_data(cfg.dataset, cfg.data_dir)
     except (ConfigError, DataMissingError) as e:
         fail(str(e))

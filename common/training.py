@@ -24,11 +24,19 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: Config) -> torch.
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
 
 
-def lr_at(step: int, cfg: Config) -> float:
-    """Linear warm-up to --lr over --warmup-steps, then constant. `step` is 1-based."""
+def lr_at(step: int, cfg: Config, *, last_step: int = 0) -> float:
+    """The learning rate of optimizer step `step` (1-based) of a run of `last_step` steps: linear warm-up to
+    --lr over --warmup-steps, then constant, or a cosine or linear decay that reaches --min-lr exactly at
+    `last_step`. A function of the step alone, so a resumed or restarted run and every strategy agree."""
     if cfg.warmup_steps and step <= cfg.warmup_steps:
         return cfg.lr * step / cfg.warmup_steps
-    return cfg.lr
+    if cfg.lr_schedule == "constant" or last_step <= cfg.warmup_steps:
+        return cfg.lr
+    progress = min(step - cfg.warmup_steps, last_step - cfg.warmup_steps) / (last_step - cfg.warmup_steps)
+    # written as min_lr + (lr - min_lr) * f with f exactly 0 at the last step (cos(pi) is exactly -1), so
+    # the last step's rate is --min-lr to the bit, not a rounding of it
+    f = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_schedule == "cosine" else 1 - progress
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * f
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -67,7 +67,7 @@ def test_runner_two_ranks_match_and_write_the_metrics_contract(runs):
     assert max_abs_diff(losses(out), losses(runs["adamw"])) <= 1e-4
     train, evals = read_metrics(out)
     for record in train.values():
-        assert set(record) == {"kind", "step", "loss", "lr", "samples_per_s", "step_time_s"}
+        assert set(record) == {"kind", "step", "loss", "lr", "grad_norm", "samples_per_s", "step_time_s"}
         assert record["samples_per_s"] > 0 and record["step_time_s"] > 0 and math.isfinite(record["loss"])
     assert [r["lr"] for r in train.values()][:5] == pytest.approx([1e-4 * s / 4 for s in (1, 2, 3, 4)] + [1e-4])
     assert len(evals) == 1 and evals[0]["step"] == PARITY_STEPS and 0 < evals[0]["test_accuracy"] <= 1

@@ -147,7 +147,9 @@ def test_a_sigkilled_worker_is_restarted_and_the_run_resumes_exactly(pipelines, 
     assert re.search(r"resumed from \S+ \(step (4|8|12|16)\)", output), output[-3000:]
     assert max_abs_diff(losses(out), losses(pipelines / "interleaved-1f1b-m4")) <= 1e-6
     train, evals = read_metrics(out)
-    assert all(set(r) == {"kind", "step", "loss", "lr", "samples_per_s", "step_time_s"} for r in train.values())
+    assert all(
+        set(r) == {"kind", "step", "loss", "lr", "grad_norm", "samples_per_s", "step_time_s"} for r in train.values()
+    )
     run = read_run(out)
     assert (run["strategy"], run["world_size"], run["backend"]) == ("pippy", 4, "gloo")
     assert run["final"]["test_accuracy"] == evals[-1]["test_accuracy"]
