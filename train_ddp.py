@@ -85,7 +85,15 @@ def train(cfg, env) -> None:
     # [DDP] Wrap the replica. DDP broadcasts rank 0's weights once (they already agree) and registers the
     # hooks that all-reduce gradients during backward. gradient_as_bucket_view: the .grad tensors live in
     # DDP's communication buckets instead of beside them, which saves one copy of the gradients.
-    model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None, gradient_as_bucket_view=True)
+    # find_unused_parameters=True (no parameter is unused) only for its side effect: DDP then keeps its first
+    # bucket layout instead of rebuilding it in backward order after a process's first step, so a resumed
+    # process all-reduces each element in the same gloo summation order as the uninterrupted run: exact resume.
+    model = DDP(
+        model,
+        device_ids=[env.local_rank] if env.device.type == "cuda" else None,
+        gradient_as_bucket_view=True,
+        find_unused_parameters=True,
+    )
     optimizer = build_optimizer(model.parameters(), cfg)
 
     start_step = 0
