@@ -36,7 +36,7 @@ def runs(tmp_path_factory, references):
     root = tmp_path_factory.mktemp("ddp")
     out = {name: root / name for name in ("ddp4", "sgd4", "ddp3_accum", "runner2")}
     out.update(references)
-    # two trainings in one launch of 4 processes (tests/workers/runs.py): start-up costs more than a run
+    # two trainings in one launch of 4 processes (tests/integration/workers/runs.py): start-up costs more than a run
     run_many(
         {
             out["ddp4"]: ("ddp", PARITY),
@@ -130,7 +130,7 @@ def test_ranks_share_weights_but_not_dropout_masks():
             "--standalone",
             "--nproc-per-node",
             "3",
-            "tests/workers/seeding.py",
+            "tests/integration/workers/seeding.py",
         ]
     )
     assert "seeding ok on 3 ranks" in proc.stdout

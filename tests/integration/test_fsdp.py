@@ -46,7 +46,7 @@ TWENTY = ["--max-steps", "20"]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, references):
     """Every run the tests compare, launched once for the module: ten trainings in one torchrun of 4
-    processes (tests/workers/runs.py: starting Python and torch in four processes costs more than a
+    processes (tests/integration/workers/runs.py: starting Python and torch in four processes costs more than a
     30-step run), and the 4-rank step-15 checkpoint resumed on 2 ranks and on 1. The 1-process
     references are shared with test_ddp.py."""
     root = tmp_path_factory.mktemp("fsdp")

@@ -55,7 +55,7 @@ PART1 = ["--schedule", "interleaved-1f1b", "--stages-per-rank", "2", "--max-step
 
 
 def run_pipelines(runs: dict[str, list[str]], root) -> subprocess.CompletedProcess:
-    """All `runs` ({name: flags}) in one torchrun launch of 4 processes (tests/workers/runs.py)."""
+    """All `runs` ({name: flags}) in one torchrun launch of 4 processes (tests/integration/workers/runs.py)."""
     return run_many({root / name: ("pippy", [*PP_PARITY, *flags]) for name, flags in runs.items()}, 4, timeout=600)
 
 

@@ -1,7 +1,7 @@
 """Several trainings, one after another, in one set of processes.
 
-    torchrun --standalone --nproc-per-node 4 tests/workers/runs.py RUNS.json
-    python tests/workers/runs.py RUNS.json                     # one process, as `python train_ddp.py` runs
+    torchrun --standalone --nproc-per-node 4 tests/integration/workers/runs.py RUNS.json
+    python tests/integration/workers/runs.py RUNS.json                     # one process, as `python train_ddp.py` runs
 
 RUNS.json maps an output folder to [strategy, flags] (strategy: ddp, fsdp or pippy). Each run is the real
 `train_<strategy>.train` on the real process group (each builds its own model, device mesh, shards, stages
