@@ -15,7 +15,7 @@ for arg in "$@"; do
   fi
 done
 set -- --eval-every 20 "$@"  # first, so that a --eval-every of yours comes later and wins
-preflight ddp "$@"  # the shared flags, checked once before anything runs
+preflight --flags-only ddp "$@"  # the shared flags, checked once before anything runs
 
 echo "== 1-process reference -> $OUT/ref"
 "$PYTHON" train_ddp.py "$@" --out "$OUT/ref"

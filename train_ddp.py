@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.checkpoint import latest_checkpoint, load_checkpoint, resume_requested, save_checkpoint
+from common.checkpoint import load_checkpoint, resume_point, save_checkpoint
 from common.cli import parse_config
 from common.clipping import clip_grad_norm
 from common.compiling import compile_modules
@@ -93,9 +93,20 @@ def train(cfg, env) -> None:
     optimizer = build_optimizer(model.parameters(), cfg)
 
     start_step = 0
-    if resume_requested(cfg.resume) and (path := latest_checkpoint(cfg.out, log=log)):
+    if path := resume_point(cfg, log=log):  # (a new run moves a previous one in --out aside instead)
+        # [DDP] After a process's first backward DDP lays its gradient buckets out again, in the order the
+        # gradients became ready, and the layout decides the order in which gloo/NCCL sum each element. A
+        # throwaway backward gives this process the layout the uninterrupted run has at this step, so it repeats
+        # that run bit for bit; the checkpoint then overwrites weights, optimizer state and RNG.
+        x = torch.zeros(micro_batch_size, data.in_channels, data.image_size, data.image_size, device=env.device)
+        with autocast(cfg, env.device):  # the loop's shape and precision: --compile traces no other graph
+            model(x).sum().backward()
+        model.zero_grad(set_to_none=True)  # DCP's load must find an optimizer that never saw a gradient
         start_step = load_checkpoint(path, model=model, optimizers=[optimizer])
         log(f"resumed from {path} (step {start_step})")
+    if start_step >= steps:  # a finished run: nothing to train, nothing to rewrite
+        log(f"{cfg.out}: already at step {start_step} of {steps}; nothing to train (raise --max-steps or --epochs)")
+        return
     metrics = MetricsWriter(
         cfg.out,
         enabled=env.is_main,
@@ -163,7 +174,7 @@ def train(cfg, env) -> None:
         if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
             run_eval(step)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-            save_checkpoint(cfg.out, step, model=model, optimizers=[optimizer], strategy="ddp", keep=cfg.keep)
+            save_checkpoint(cfg, step, model=model, optimizers=[optimizer], steps_per_epoch=sampler.steps_per_epoch)
 
     memory = gather_memory(measure_memory(model.parameters(), optimizer, env.device), env.rank)
     profile = profiler.report()

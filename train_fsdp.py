@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from common.checkpoint import latest_checkpoint, load_checkpoint, resume_requested, save_checkpoint
+from common.checkpoint import load_checkpoint, resume_point, save_checkpoint
 from common.cli import parse_config
 from common.clipping import clip_grad_norm
 from common.compiling import compile_modules
@@ -133,9 +133,12 @@ def train(cfg, env) -> None:
     optimizer = build_optimizer(model.parameters(), cfg)  # [FSDP] after sharding: it steps the local shards
 
     start_step = 0
-    if resume_requested(cfg.resume) and (path := latest_checkpoint(cfg.out, log=log)):
+    if path := resume_point(cfg, log=log):  # (a new run moves a previous one in --out aside instead)
         start_step = load_checkpoint(path, model=model, optimizers=[optimizer])
         log(f"resumed from {path} (step {start_step})")
+    if start_step >= steps:  # a finished run: nothing to train, nothing to rewrite
+        log(f"{cfg.out}: already at step {start_step} of {steps}; nothing to train (raise --max-steps or --epochs)")
+        return
     metrics = MetricsWriter(
         cfg.out,
         enabled=env.is_main,
@@ -203,7 +206,7 @@ def train(cfg, env) -> None:
         if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
             run_eval(step)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-            save_checkpoint(cfg.out, step, model=model, optimizers=[optimizer], strategy="fsdp", keep=cfg.keep)
+            save_checkpoint(cfg, step, model=model, optimizers=[optimizer], steps_per_epoch=sampler.steps_per_epoch)
 
     memory = gather_memory(measure_memory(model.parameters(), optimizer, env.device), env.rank)
     # [FSDP] The theory next to the measurement: per parameter 4 + 4 bytes (fp32 weight, gradient) and the

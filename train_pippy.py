@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage
 
-from common.checkpoint import latest_checkpoint, load_checkpoint, resume_requested, save_checkpoint
+from common.checkpoint import load_checkpoint, resume_point, save_checkpoint
 from common.cli import parse_config
 from common.clipping import clip_grad_norm
 from common.compiling import compile_stages
@@ -152,9 +152,12 @@ def train(cfg, env) -> None:
     optimizers = [optimizer] if optimizer else []
 
     start_step = 0
-    if resume_requested(cfg.resume) and (path := latest_checkpoint(cfg.out, log=log)):
+    if path := resume_point(cfg, log=log):  # (a new run moves a previous one in --out aside instead)
         start_step = load_checkpoint(path, model=local_model, optimizers=optimizers)
         log(f"resumed from {path} (step {start_step})")
+    if start_step >= steps:  # a finished run: nothing to train, nothing to rewrite
+        log(f"{cfg.out}: already at step {start_step} of {steps}; nothing to train (raise --max-steps or --epochs)")
+        return
     metrics = MetricsWriter(
         cfg.out,
         enabled=is_logger,
@@ -259,7 +262,9 @@ def train(cfg, env) -> None:
         if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
             run_eval(step)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-            save_checkpoint(cfg.out, step, model=local_model, optimizers=optimizers, strategy="pippy", keep=cfg.keep)
+            save_checkpoint(
+                cfg, step, model=local_model, optimizers=optimizers, steps_per_epoch=sampler.steps_per_epoch
+            )
 
     memory = gather_memory(measure_memory(params, optimizer, env.device), env.rank)
     bubble = meter.report(

@@ -20,10 +20,8 @@ nothing is unpickled that could run code.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
 import shutil
 from typing import Callable, Sequence
 
@@ -39,26 +37,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from common.config import Config
 from common.distributed import collective_device
 from common.errors import UserError
-
-_COMPLETE = re.compile(r"^step_(\d{7})$")
-
-
-def checkpoint_dir(out_dir: str) -> str:
-    return os.path.join(out_dir, "checkpoints")
-
-
-def complete_checkpoints(out_dir: str) -> list[tuple[int, str]]:
-    """(step, path) of every committed checkpoint, oldest first."""
-    root = checkpoint_dir(out_dir)
-    found = []
-    for name in os.listdir(root) if os.path.isdir(root) else ():
-        match = _COMPLETE.match(name)
-        if match and os.path.exists(os.path.join(root, name, "meta.json")):
-            found.append((int(match.group(1)), os.path.join(root, name)))
-    return sorted(found)
-
+from common.runs import (
+    check_resume,
+    checkpoint_dir,
+    complete_checkpoints,
+    fingerprint,
+    moved_line,
+    recorded_config,
+    set_aside,
+)
 
 # Optimizer state keyed by parameter name (optim.state.conv1.weight.exp_avg, optim.param_groups.conv1.weight.lr).
 # The nested default keys param groups by position, so pipeline ranks, each holding different parameters,
@@ -75,15 +65,11 @@ def _state(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dic
 
 
 def save_checkpoint(
-    out_dir: str,
-    step: int,
-    *,
-    model: nn.Module,
-    optimizers: Sequence[torch.optim.Optimizer],
-    strategy: str,
-    keep: int = 0,
+    cfg: Config, step: int, *, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], steps_per_epoch: int
 ) -> str:
-    """Write the checkpoint of step `step` (all ranks call this). Returns its path."""
+    """Write the checkpoint of step `step` to cfg.out (all ranks call this) and, with --keep, delete older ones.
+    Returns its path. meta.json records the config, so that a resume can refuse settings that change the curve."""
+    out_dir, keep = cfg.out, cfg.keep
     rank = dist.get_rank()
     # A non-finite weight would make this checkpoint the "latest" one that every resume chokes on.
     finite = torch.tensor(
@@ -109,8 +95,9 @@ def save_checkpoint(
         meta = {
             "step": step,
             "world_size": dist.get_world_size(),
-            "strategy": strategy,
-            "files": {name: _fingerprint(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))},
+            "strategy": cfg.strategy,
+            **recorded_config(cfg, steps_per_epoch),
+            "files": {name: fingerprint(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))},
         }
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
@@ -142,7 +129,7 @@ def verify_checkpoint(path: str) -> str | None:
         file = os.path.join(path, name)
         if not os.path.exists(file):
             return f"{name} is missing"
-        actual = _fingerprint(file)
+        actual = fingerprint(file)
         if actual["bytes"] != expected["bytes"]:
             return f"{name} has {actual['bytes']} bytes, {expected['bytes']} were written (truncated?)"
         if actual["sha256"] != expected["sha256"]:
@@ -171,7 +158,31 @@ def latest_checkpoint(out_dir: str, *, log: Callable[[str], None] = print) -> st
 
 def resume_requested(resume_flag: bool) -> bool:
     """--resume, or torchrun restarted the group after a failure (then resuming is the only sane choice)."""
-    return resume_flag or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    return resume_flag or _restarted()
+
+
+def _restarted() -> bool:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def resume_point(cfg: Config, *, log: Callable[[str], None] = print) -> str | None:
+    """Every rank calls this before anything is written to cfg.out. Returns the checkpoint to resume from,
+    or None for a fresh start. A resume that would change the curve raises ConfigError (on every rank); a
+    fresh start moves a previous run in cfg.out aside first (rank 0, then all wait), so nothing is lost."""
+    # torchrun restarts (a failure, or a machine joining) count on every rank, also on a machine whose agent
+    # just (re)started: the group either resumes together or starts afresh together.
+    restarted = torch.tensor([int(_restarted())], device=collective_device())
+    dist.all_reduce(restarted, op=dist.ReduceOp.MAX)
+    if (cfg.resume or restarted.item()) and (path := latest_checkpoint(cfg.out, log=log)):
+        with open(os.path.join(path, "meta.json")) as f:
+            note = check_resume(cfg, json.load(f), world_size=dist.get_world_size())
+        if note:
+            log(note)
+        return path
+    if not restarted.item() and dist.get_rank() == 0 and (moved := set_aside(cfg.out)):
+        print(moved_line(cfg.out, moved), flush=True)  # rank 0's own act (a pipeline logs from its last stage)
+    dist.barrier()
+    return None
 
 
 def load_checkpoint(path: str, *, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> int:
@@ -190,14 +201,6 @@ def load_checkpoint(path: str, *, model: nn.Module, optimizers: Sequence[torch.o
     if meta["world_size"] == dist.get_world_size() and os.path.exists(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=True))
     return int(meta["step"])
-
-
-def _fingerprint(file: str) -> dict[str, object]:
-    digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return {"bytes": os.path.getsize(file), "sha256": digest.hexdigest()}
 
 
 def _rng_state() -> dict[str, torch.Tensor]:

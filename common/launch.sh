@@ -1,21 +1,36 @@
-# Shared by run_ddp.sh, run_fsdp.sh and run_pippy.sh (sourced, not run). It picks the Python, validates
-# the flags before any worker starts, and builds the torchrun arguments for one or several machines.
+# Shared by run_ddp.sh, run_fsdp.sh, run_pippy.sh and run_all.sh (sourced, not run). It picks the Python,
+# validates the flags before any worker starts, and builds the torchrun arguments for one or several machines.
 #
 #   NPROC        processes per machine (default 4)
-#   NNODES       machines (default 1); with NNODES > 1 also set NODE_RANK and MASTER_ADDR (MASTER_PORT: 29500)
-#   MAX_RESTARTS times torchrun restarts the whole group after a worker fails (default 0)
+#   NNODES       machines (default 1); N: exactly N machines, with NODE_RANK and MASTER_ADDR set on each;
+#                MIN:MAX: elastic, between MIN and MAX machines, with MASTER_ADDR set on each (no NODE_RANK)
+#   MAX_RESTARTS times torchrun restarts the group after a worker fails or a machine joins or leaves
+#                (default 0; 3 with NNODES=MIN:MAX)
 #   PYTHON       the Python that has torch (default: .venv/bin/python if present, else python3)
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 NPROC=${NPROC:-4}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # the scripts set their own thread count on CPU; this only silences torchrun's notice
 NNODES=${NNODES:-1}
-MAX_RESTARTS=${MAX_RESTARTS:-0}
 if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 
-for var in NPROC NNODES MAX_RESTARTS; do
+if [[ $NNODES =~ ^([0-9]+):([0-9]+)$ ]]; then
+  MIN_NODES=${BASH_REMATCH[1]} MAX_NODES=${BASH_REMATCH[2]}
+  if (( MIN_NODES < 1 || MIN_NODES > MAX_NODES )); then
+    echo "error: NNODES=$NNODES: MIN:MAX needs 1 <= MIN <= MAX, e.g. NNODES=1:2" >&2
+    exit 2
+  fi
+  MAX_RESTARTS=${MAX_RESTARTS:-3}
+elif [[ $NNODES =~ ^[0-9]+$ ]] && (( NNODES >= 1 )); then
+  MIN_NODES=$NNODES MAX_NODES=$NNODES
+  MAX_RESTARTS=${MAX_RESTARTS:-0}
+else
+  echo "error: NNODES=$NNODES must be a number of machines (NNODES=2) or a range for elastic training (NNODES=1:2)" >&2
+  exit 2
+fi
+for var in NPROC MAX_RESTARTS; do
   least=1; [[ $var == MAX_RESTARTS ]] && least=0
   if ! [[ "${!var}" =~ ^[0-9]+$ ]] || (( ${!var} < least )); then
     echo "error: $var=${!var} must be a whole number of at least $least" >&2
@@ -23,27 +38,44 @@ for var in NPROC NNODES MAX_RESTARTS; do
   fi
 done
 
-# preflight STRATEGY [flags]: validate every flag for NNODES x NPROC processes (and fetch a missing
-# torchvision data set once), so bad input costs one line here instead of a traceback from each worker.
+# preflight [--flags-only] STRATEGY [flags]: validate every flag for every world size the run may have, check
+# that NPROC CPU processes fit in memory, fetch a missing torchvision data set once, and settle --out (refuse a
+# resume that changes the run, stop at once if it is finished; on one machine, move a previous run aside),
+# so bad input costs one line here instead of a traceback from each worker.
 preflight() {
+  local prepare=(--prepare-out)
+  if [[ $1 == --flags-only ]]; then prepare=(); shift; fi
+  (( MAX_NODES > 1 )) && prepare=()  # with several machines, rank 0 of the workers moves it (train_*.py)
   local strategy=$1; shift
-  "$PYTHON" -m common.preflight "$strategy" --world-size $((NNODES * NPROC)) "$@"
+  local sizes n
+  sizes=$(for ((n = MIN_NODES; n <= MAX_NODES; n++)); do echo $((n * NPROC)); done | paste -sd,)
+  local status=0
+  "$PYTHON" -m common.preflight "$strategy" --world-size "$sizes" --nproc "$NPROC" "${prepare[@]}" "$@" || status=$?
+  (( status == 3 )) && exit 0  # the run is already finished: nothing to do (common/preflight.py NOTHING_TO_DO)
+  (( status == 0 )) || exit "$status"
 }
 
 # torchrun rendezvous: one machine uses --standalone (a free port, so two runs at once don't clash);
 # several machines meet at MASTER_ADDR:MASTER_PORT through the c10d rendezvous backend.
 TORCHRUN_ARGS=(--nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS")
-if (( NNODES > 1 )); then
-  if ! [[ "${NODE_RANK:-}" =~ ^[0-9]+$ ]] || (( NODE_RANK >= NNODES )); then
-    echo "error: NODE_RANK='${NODE_RANK:-}': with NNODES=$NNODES set NODE_RANK to 0..$((NNODES - 1)), a different one on each machine" >&2
-    exit 2
-  fi
+if (( MAX_NODES == 1 )); then
+  TORCHRUN_ARGS+=(--standalone)
+else
   if [[ -z "${MASTER_ADDR:-}" ]]; then
     echo "error: MASTER_ADDR is not set: with NNODES=$NNODES set it to the address of machine 0 on every machine" >&2
     exit 2
   fi
-  TORCHRUN_ARGS+=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --rdzv-backend c10d
-                  --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}" --rdzv-id "${RDZV_ID:-babycnn}")
-else
-  TORCHRUN_ARGS+=(--standalone)
+  TORCHRUN_ARGS+=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}"
+                  --rdzv-id "${RDZV_ID:-babycnn}")
+  if (( MIN_NODES == MAX_NODES )); then
+    if ! [[ "${NODE_RANK:-}" =~ ^[0-9]+$ ]] || (( NODE_RANK >= NNODES )); then
+      echo "error: NODE_RANK='${NODE_RANK:-}': with NNODES=$NNODES set NODE_RANK to 0..$((NNODES - 1)), a different one on each machine" >&2
+      exit 2
+    fi
+    TORCHRUN_ARGS+=(--node-rank "$NODE_RANK")
+  else
+    # Elastic: once MIN machines are in, wait RDZV_LAST_CALL_S (default 10) for more, then start; a machine
+    # that stops answering is dropped after ~3 missed 5 s heartbeats and the survivors restart without it.
+    TORCHRUN_ARGS+=(--rdzv-conf "join_timeout=${RDZV_JOIN_TIMEOUT_S:-600},last_call_timeout=${RDZV_LAST_CALL_S:-10},close_timeout=10")
+  fi
 fi

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from common.checkpoint import CheckpointError, _fingerprint, checkpoint_dir, latest_checkpoint, verify_checkpoint
+from common.checkpoint import CheckpointError, checkpoint_dir, fingerprint, latest_checkpoint, verify_checkpoint
 from common.compare import differences, load_run, main, table_rows
 
 
@@ -17,7 +17,7 @@ def write_checkpoint(out: Path, step: int) -> Path:
     path.mkdir(parents=True)
     (path / "__0_0.distcp").write_bytes(bytes(range(256)) * 8)
     (path / ".metadata").write_bytes(b"metadata of step %d" % step)
-    files = {p.name: _fingerprint(str(p)) for p in sorted(path.iterdir())}
+    files = {p.name: fingerprint(str(p)) for p in sorted(path.iterdir())}
     (path / "meta.json").write_text(json.dumps({"step": step, "world_size": 1, "strategy": "ddp", "files": files}))
     return path
 

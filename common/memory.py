@@ -1,0 +1,46 @@
+"""Memory preflight for CPU runs: too many processes for the machine's memory cost one line before torchrun
+starts, instead of the kernel's OOM killer and a screenful of torchrun noise. No torch here."""
+
+from __future__ import annotations
+
+import glob
+
+from common.config import ConfigError
+
+# Memory one CPU training process of this suite takes (torch, the built-in data set, BabyCNN, gloo): the peak
+# Pss (its own pages plus its share of the torch libraries) in /proc/PID/smaps_rollup of each worker, sampled
+# every 0.5 s during  NPROC=4 bash run_ddp.sh --max-steps 60 --checkpoint-every 20 --eval-every 20
+# was 678-699 MiB on 2026-11-23 (2-core CPU, no GPU, torch 2.15.0+cu132). Larger data sets take more: a
+# refusal is always right, a launch let through may still be tight.
+MIB_PER_CPU_PROCESS = 700
+
+
+def available_mib() -> int | None:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), or None off Linux."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) // 1024
+    except OSError:
+        pass
+    return None
+
+
+def runs_on_cpu(device: str) -> bool:
+    """--device cpu, or auto on a machine without NVIDIA GPUs (checked without importing torch)."""
+    return device == "cpu" or (device == "auto" and not glob.glob("/dev/nvidia[0-9]*"))
+
+
+def check_memory(nproc: int, *, device: str) -> None:
+    """ConfigError when `nproc` CPU processes cannot fit in the available memory."""
+    available = available_mib()
+    if available is None or not runs_on_cpu(device):
+        return
+    if nproc * MIB_PER_CPU_PROCESS > available:
+        fit = available // MIB_PER_CPU_PROCESS
+        raise ConfigError(
+            f"NPROC={nproc}: {nproc} CPU processes need ~{nproc * MIB_PER_CPU_PROCESS / 1024:.1f} GiB "
+            f"({MIB_PER_CPU_PROCESS} MiB each) but {available / 1024:.1f} GiB are available; at most {fit} fit, "
+            f"so use NPROC={max(fit, 1)} or fewer (or free memory)"
+        )

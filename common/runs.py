@@ -1,0 +1,159 @@
+"""Run folders: what a resume may change, and never losing a previous run. No torch here, so the
+preflight (common/preflight.py) can do all of it before torchrun starts a worker.
+
+A checkpoint's meta.json records the run's config and its steps per epoch (common/checkpoint.py). On
+`--resume`, a setting that decides the trajectory must equal the recorded one, or the curve in
+metrics.jsonl would silently become two runs; the layout, the length and the cadences may change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+
+from common.config import Config, ConfigError
+
+# The settings that decide which weights step s produces: a resume with another value is refused.
+TRAJECTORY = (
+    "dataset",
+    "train_size",
+    "test_size",
+    "seed",
+    "batch_size",
+    "optimizer",
+    "lr",
+    "weight_decay",
+    "warmup_steps",
+    "dropout",
+    "precision",
+)
+# Settings a resume may change, said once: the strategy and its layout (a DCP checkpoint loads into any of
+# them), the length, and the cadences. --grad-accum-steps splits the same global batch differently.
+MAY_CHANGE = (
+    "strategy",
+    "sharding",
+    "shard_units",
+    "cpu_offload",
+    "activation_checkpointing",
+    "schedule",
+    "n_microbatches",
+    "stages_per_rank",
+    "dp",
+    "grad_accum_steps",
+    "epochs",
+    "max_steps",
+    "log_every",
+    "eval_every",
+    "checkpoint_every",
+    "keep",
+)
+# Settings that are where and how this launch runs, not what it trains: they change silently.
+FREE = ("data_dir", "out", "resume", "device", "threads", "timeout_s")
+
+_COMPLETE = re.compile(r"^step_(\d{7})$")
+# What makes a folder a run's: set aside whole when a new run (no --resume) is started in it.
+RUN_FILES = ("metrics.jsonl", "run.json", "checkpoints", "model.pt")
+
+
+def checkpoint_dir(out_dir: str) -> str:
+    return os.path.join(out_dir, "checkpoints")
+
+
+def complete_checkpoints(out_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of every committed checkpoint, oldest first."""
+    root = checkpoint_dir(out_dir)
+    found = []
+    for name in os.listdir(root) if os.path.isdir(root) else ():
+        match = _COMPLETE.match(name)
+        if match and os.path.exists(os.path.join(root, name, "meta.json")):
+            found.append((int(match.group(1)), os.path.join(root, name)))
+    return sorted(found)
+
+
+def fingerprint(file: str) -> dict[str, object]:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {"bytes": os.path.getsize(file), "sha256": digest.hexdigest()}
+
+
+def latest_meta(out_dir: str) -> dict | None:
+    """meta.json of the newest committed checkpoint that has a readable one, or None."""
+    for _, path in reversed(complete_checkpoints(out_dir)):
+        try:
+            with open(os.path.join(path, "meta.json")) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            continue  # the worker reports the damage and falls back to the previous checkpoint
+    return None
+
+
+def recorded_config(cfg: Config, steps_per_epoch: int) -> dict:
+    """What a checkpoint records about the run (meta.json "config" and "steps_per_epoch")."""
+    return {"config": dataclasses.asdict(cfg), "steps_per_epoch": steps_per_epoch}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_resume(cfg: Config, meta: dict, *, world_size: int | None = None) -> str:
+    """Raise ConfigError if `cfg` changes a trajectory setting recorded in checkpoint `meta`; returns the
+    line about the settings it does change ("" when none changed, or the checkpoint records no config)."""
+    recorded = meta.get("config") or {}
+    for name in TRAJECTORY:
+        if name in recorded and recorded[name] != getattr(cfg, name):
+            raise ConfigError(
+                f"{_flag(name)}: the run in {cfg.out} was trained with {_flag(name)} {recorded[name]}, not "
+                f"{getattr(cfg, name)}; resume it with {_flag(name)} {recorded[name]}, or leave out --resume "
+                f"to start a new run (a resume must not mix two runs into one curve)"
+            )
+    changed = [
+        f"{_flag(name)} {recorded[name]} -> {getattr(cfg, name)}"
+        for name in MAY_CHANGE
+        if name in recorded and recorded[name] != getattr(cfg, name)
+    ]
+    if world_size is not None and meta.get("world_size", world_size) != world_size:
+        changed.insert(0, f"{meta['world_size']} -> {world_size} processes")
+    return f"resuming {cfg.out} at step {meta['step']} with {', '.join(changed)}" if changed else ""
+
+
+def total_steps_of(cfg: Config, steps_per_epoch: int) -> int:
+    """The run's length, as common.training.total_steps computes it."""
+    steps = cfg.epochs * steps_per_epoch
+    return min(steps, cfg.max_steps) if cfg.max_steps else steps
+
+
+def finished_line(cfg: Config, meta: dict) -> str:
+    """ "already at step N of N" when the checkpoint `meta` ends the run `cfg` asks for, else ""."""
+    if "steps_per_epoch" not in meta:
+        return ""
+    steps = total_steps_of(cfg, meta["steps_per_epoch"])
+    if meta["step"] < steps:
+        return ""
+    return f"{cfg.out}: already at step {meta['step']} of {steps}; nothing to train (raise --max-steps or --epochs)"
+
+
+def holds_a_run(out_dir: str) -> bool:
+    return any(os.path.exists(os.path.join(out_dir, name)) for name in RUN_FILES)
+
+
+def set_aside(out_dir: str) -> str | None:
+    """Move a previous run in `out_dir` to the first free `out_dir.N` (N = 1, 2, ...); returns where, or None
+    when there was none. The new run then starts in an empty folder: nothing of the old one is lost or mixed."""
+    if not holds_a_run(out_dir):
+        return None
+    n = 1
+    while os.path.exists(f"{out_dir.rstrip(os.sep)}.{n}"):
+        n += 1
+    moved = f"{out_dir.rstrip(os.sep)}.{n}"
+    os.rename(out_dir, moved)
+    return moved
+
+
+def moved_line(out_dir: str, moved: str) -> str:
+    return f"{out_dir} held a previous run: moved it to {moved} (pass --resume to continue a run instead)"

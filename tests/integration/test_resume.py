@@ -1,0 +1,110 @@
+"""Resuming: a run resumed from its own checkpoint at the same world size repeats the uninterrupted run bit
+for bit, for every strategy, at a learning rate where a 1-ulp difference would grow."""
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import SMALL, env_for_tests, launch, losses, max_abs_diff, rewind, run_command, run_many
+
+STRATEGIES = ("ddp", "fsdp", "pippy")
+# --lr 2e-3: AdamW turns a 1-ulp gradient difference into ~1e-3 of loss within ~20 steps, so only an exact
+# resume passes max |dloss| == 0 here
+EXACT = [
+    *SMALL,
+    "--max-steps",
+    "40",
+    "--batch-size",
+    "64",
+    "--dropout",
+    "0",
+    "--lr",
+    "2e-3",
+    "--checkpoint-every",
+    "20",
+]
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Each strategy's uninterrupted 40-step run, and the same run resumed from its step-20 checkpoint in a
+    fresh set of runs (a new DDP wrap, new shards, new stages): two launches of 4 processes in all."""
+    root = tmp_path_factory.mktemp("resume")
+    run_many({root / s: (s, EXACT) for s in STRATEGIES}, 4)
+    for s in STRATEGIES:
+        rewind(root / s, root / f"{s}-resumed", 20)
+    run_many({root / f"{s}-resumed": (s, [*EXACT, "--resume"]) for s in STRATEGIES}, 4)
+    return root
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_resume_at_the_same_world_size_repeats_the_run_bit_for_bit(resumed, strategy):
+    full, again = losses(resumed / strategy), losses(resumed / f"{strategy}-resumed")
+    assert len(full) == 40
+    assert max_abs_diff(full, again) == 0
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """{relative path: SHA-256} of every file under `folder`."""
+    return {
+        str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest() for f in folder.rglob("*") if f.is_file()
+    }
+
+
+@pytest.mark.parametrize(
+    "changed, recorded",
+    [
+        (["--seed", "1"], "0"),
+        (["--batch-size", "32"], "64"),
+        (["--dataset", "mnist"], "digits"),
+        (["--optimizer", "sgd"], "adamw"),
+    ],
+)
+def test_resume_with_a_changed_trajectory_setting_is_refused_in_one_line(resumed, changed, recorded):
+    """The runner refuses before torchrun starts (preflight), naming the flag and both values; nothing changes."""
+    before = snapshot(resumed / "ddp")
+    proc = run_command(["bash", "run_ddp.sh", *EXACT, "--resume", *changed, "--out", str(resumed / "ddp")], check=False)
+    assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
+    [line] = proc.stderr.splitlines()
+    assert line.startswith(f"error: {changed[0]}:") and f"{changed[0]} {recorded}" in line and changed[1] in line
+    assert snapshot(resumed / "ddp") == before
+
+
+def test_the_script_itself_refuses_a_changed_setting_and_stops_at_a_finished_run(resumed):
+    """Launched without the runner (no preflight), the workers refuse too, and a finished run ends at once:
+    exit 0, one line, no file changed (it used to crash formatting the final line of a run with no steps)."""
+    before = {s: snapshot(resumed / s) for s in ("ddp", "fsdp")}
+    refused = launch("train_ddp.py", 1, [*EXACT, "--resume", "--seed", "7"], resumed / "ddp", check=False)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines() == [
+        f"error: --seed: the run in {resumed / 'ddp'} was trained with --seed 0, not 7; resume it with --seed 0, or "
+        f"leave out --resume to start a new run (a resume must not mix two runs into one curve)"
+    ]
+    finished = launch("train_fsdp.py", 1, [*EXACT, "--resume"], resumed / "fsdp")
+    assert "already at step 40 of 40" in finished.stdout
+    assert "4 -> 1 processes" in finished.stdout  # what a resume may change is said, once
+    runner = run_command(["bash", "run_ddp.sh", *EXACT, "--resume", "--out", str(resumed / "ddp")])
+    assert (
+        runner.stdout.strip()
+        == f"{resumed / 'ddp'}: already at step 40 of 40; nothing to train (raise --max-steps or --epochs)"
+    )
+    assert {s: snapshot(resumed / s) for s in ("ddp", "fsdp")} == before
+
+
+def test_a_new_run_in_a_used_folder_moves_the_previous_run_aside(resumed, tmp_path):
+    """No --resume into a folder holding a run: the runner (before torchrun) and the script run directly
+    (rank 0, before any rank writes) each move the previous run to the next free numbered folder, untouched."""
+    used = tmp_path / "run"
+    shutil.copytree(resumed / "pippy", used)
+    first = snapshot(used)
+    proc = run_command(
+        ["bash", "run_ddp.sh", *SMALL, "--max-steps", "3", "--out", str(used)], env={**env_for_tests(), "NPROC": "2"}
+    )
+    assert proc.stdout.splitlines()[0].startswith(f"{used} held a previous run: moved it to {used}.1")
+    second = snapshot(used)
+    assert snapshot(tmp_path / "run.1") == first and len(losses(used)) == 3
+    proc = launch("train_ddp.py", 1, [*SMALL, "--max-steps", "2"], used)
+    assert f"moved it to {used}.2" in proc.stdout
+    assert snapshot(tmp_path / "run.1") == first and snapshot(tmp_path / "run.2") == second and len(losses(used)) == 2
