@@ -27,11 +27,16 @@ TRAJECTORY = (
     "lr",
     "weight_decay",
     "warmup_steps",
+    "lr_schedule",
+    "min_lr",
+    "max_grad_norm",
     "dropout",
     "precision",
 )
 # Settings a resume may change, said once: the strategy and its layout (a DCP checkpoint loads into any of
-# them), the length, and the cadences. --grad-accum-steps splits the same global batch differently.
+# them), the length (with a decaying --lr-schedule, a new length re-times the decay from here on), the
+# cadences and what is observed. --grad-accum-steps splits the same global batch differently; --compile
+# changes the kernels, not the arithmetic's meaning.
 MAY_CHANGE = (
     "strategy",
     "sharding",
@@ -49,6 +54,10 @@ MAY_CHANGE = (
     "eval_every",
     "checkpoint_every",
     "keep",
+    "compile",
+    "profile_steps",
+    "memory_snapshot",
+    "tensorboard",
 )
 # Settings that are where and how this launch runs, not what it trains: they change silently.
 FREE = ("data_dir", "out", "resume", "device", "threads", "timeout_s")
