@@ -74,7 +74,7 @@ class Config:
     max_grad_norm: float = 0.0
     """Clip gradients to this global L2 norm, over the whole model, once per optimizer step (0: off)."""
     compile: bool = False
-    """torch.compile the model (DDP: the wrapped model; FSDP: each unit; pipeline: each stage module)."""
+    """torch.compile the model (DDP: the wrapped model; FSDP: before sharding, a graph per unit; pipeline: stages)."""
     dropout: float = 0.1
     """Dropout probability in the classifier (0 makes runs comparable step by step across strategies)."""
     seed: int = 0
