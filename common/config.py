@@ -117,7 +117,7 @@ class Config:
     resume: bool = False
     """Continue from the latest complete checkpoint in --out."""
     profile_steps: str = ""
-    """Profile steps A:B (e.g. 3:5) with torch.profiler: one Chrome trace per rank in <out>/traces/."""
+    """Profile steps A:B (e.g. 3:5) with torch.profiler, a Chrome trace per rank in <out>/traces/ (empty: off)."""
     memory_snapshot: bool = False
     """CUDA only: record the allocator over --profile-steps into <out>/traces/ (for pytorch.org/memory_viz)."""
     tensorboard: bool = False
