@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def train(cfg, env) -> None:
     log = RankLogger(env.is_main)
-    log(f"DDP | {env.world_size} process(es) on {env.device.type} ({env.backend}) | torch {torch.__version__}")
+    log(f"DDP | {env.world_size} ranks on {env.device.type}/{env.backend} | torch {torch.__version__}")
 
     # ---- data: every rank holds the whole data set; the sampler gives each rank its slice of each batch
     data = load_dataset(

@@ -53,10 +53,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def train(cfg, env) -> None:
     log = RankLogger(env.is_main)
-    log(
-        f"FSDP ({cfg.sharding}) | {env.world_size} process(es) on {env.device.type} ({env.backend}) | "
-        f"torch {torch.__version__}"
-    )
+    log(f"FSDP {cfg.sharding} | {env.world_size} ranks on {env.device.type}/{env.backend} | torch {torch.__version__}")
 
     # ---- data: every rank holds the whole data set; the sampler gives each rank its slice of each batch
     data = load_dataset(
@@ -222,12 +219,8 @@ def train(cfg, env) -> None:
         torch.save(full_state, os.path.join(cfg.out, "model.pt.tmp"))
         os.replace(os.path.join(cfg.out, "model.pt.tmp"), os.path.join(cfg.out, "model.pt"))  # never half a file
         final = metrics.final()
-        write_run_json(
-            cfg.out,
-            **describe_run(cfg, env, mesh=dict(zip(mesh.mesh_dim_names, mesh.shape)), profile=profile),
-            final=final,
-            memory={"per_rank": memory, "theory": theory},
-        )
+        run_info = describe_run(cfg, env, mesh=dict(zip(mesh.mesh_dim_names, mesh.shape)), profile=profile)
+        write_run_json(cfg.out, **run_info, final=final, memory={"per_rank": memory, "theory": theory})
         log(
             f"done: test accuracy {100 * final['test_accuracy']:.2f}% | {final['samples_per_s']:.0f} samples/s | "
             f"{final['wall_time_s']:.1f} s | {cfg.out}/metrics.jsonl, {cfg.out}/run.json, {cfg.out}/model.pt"
