@@ -7,5 +7,9 @@
 # Several machines: NNODES, NODE_RANK, MASTER_ADDR (see common/launch.sh and the README).
 set -euo pipefail
 source "$(dirname "$0")/common/launch.sh"
+if (( MIN_NODES != MAX_NODES )); then  # not tested: a restart with fewer ranks would have to re-cut the stages
+  echo "error: NNODES=$NNODES: elastic training is supported by run_ddp.sh and run_fsdp.sh, not by the pipeline; use a fixed NNODES" >&2
+  exit 2
+fi
 preflight pippy "$@"
 exec "$PYTHON" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" train_pippy.py "$@"

@@ -61,6 +61,10 @@ TORCHRUN_ARGS=(--nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS")
 if (( MAX_NODES == 1 )); then
   TORCHRUN_ARGS+=(--standalone)
 else
+  if (( MIN_NODES == MAX_NODES )) && { ! [[ "${NODE_RANK:-}" =~ ^[0-9]+$ ]] || (( NODE_RANK >= NNODES )); }; then
+    echo "error: NODE_RANK='${NODE_RANK:-}': with NNODES=$NNODES set NODE_RANK to 0..$((NNODES - 1)), a different one on each machine" >&2
+    exit 2
+  fi
   if [[ -z "${MASTER_ADDR:-}" ]]; then
     echo "error: MASTER_ADDR is not set: with NNODES=$NNODES set it to the address of machine 0 on every machine" >&2
     exit 2
@@ -68,14 +72,10 @@ else
   TORCHRUN_ARGS+=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}"
                   --rdzv-id "${RDZV_ID:-babycnn}")
   if (( MIN_NODES == MAX_NODES )); then
-    if ! [[ "${NODE_RANK:-}" =~ ^[0-9]+$ ]] || (( NODE_RANK >= NNODES )); then
-      echo "error: NODE_RANK='${NODE_RANK:-}': with NNODES=$NNODES set NODE_RANK to 0..$((NNODES - 1)), a different one on each machine" >&2
-      exit 2
-    fi
     TORCHRUN_ARGS+=(--node-rank "$NODE_RANK")
   else
-    # Elastic: once MIN machines are in, wait RDZV_LAST_CALL_S (default 10) for more, then start; a machine
-    # that stops answering is dropped after ~3 missed 5 s heartbeats and the survivors restart without it.
+    # Elastic: once MIN machines are in, wait RDZV_LAST_CALL_S (default 10) for more, then start. When a
+    # machine dies, the others' workers fail at their next collective and their agents restart without it.
     TORCHRUN_ARGS+=(--rdzv-conf "join_timeout=${RDZV_JOIN_TIMEOUT_S:-600},last_call_timeout=${RDZV_LAST_CALL_S:-10},close_timeout=10")
   fi
 fi
