@@ -6,5 +6,5 @@
 # Several machines: NNODES, NODE_RANK, MASTER_ADDR (see common/launch.sh and the README).
 set -euo pipefail
 source "$(dirname "$0")/common/launch.sh"
-preflight fsdp "$@"
-exec "$PYTHON" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" train_fsdp.py "$@"
+preflight fsdp "${RESUME_ARGS[@]}" "$@"
+exec "$PYTHON" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" train_fsdp.py "${RESUME_ARGS[@]}" "$@"

@@ -11,5 +11,5 @@ if (( MIN_NODES != MAX_NODES )); then  # not tested: a restart with fewer ranks 
   echo "error: NNODES=$NNODES: elastic training is supported by run_ddp.sh and run_fsdp.sh, not by the pipeline; use a fixed NNODES" >&2
   exit 2
 fi
-preflight pippy "$@"
-exec "$PYTHON" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" train_pippy.py "$@"
+preflight pippy "${RESUME_ARGS[@]}" "$@"
+exec "$PYTHON" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" train_pippy.py "${RESUME_ARGS[@]}" "$@"

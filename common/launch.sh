@@ -58,6 +58,7 @@ preflight() {
 # torchrun rendezvous: one machine uses --standalone (a free port, so two runs at once don't clash);
 # several machines meet at MASTER_ADDR:MASTER_PORT through the c10d rendezvous backend.
 TORCHRUN_ARGS=(--nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS")
+RESUME_ARGS=()  # flags the runner puts before the user's: (--resume) for an elastic job, below
 if (( MAX_NODES == 1 )); then
   TORCHRUN_ARGS+=(--standalone)
 else
@@ -77,5 +78,14 @@ else
     # Elastic: once MIN machines are in, wait RDZV_LAST_CALL_S (default 10) for more, then start. When a
     # machine dies, the others' workers fail at their next collective and their agents restart without it.
     TORCHRUN_ARGS+=(--rdzv-conf "join_timeout=${RDZV_JOIN_TIMEOUT_S:-600},last_call_timeout=${RDZV_LAST_CALL_S:-10},close_timeout=10")
+    # A machine that joins a running group would wait for ever for the rendezvous' MASTER_ADDR: an agent
+    # that already ran a round keeps its first round's store address and does not publish it again
+    # (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py, next_rendezvous). Without the shared
+    # store every round publishes its own, and the newcomer is taken in.
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    # Every start of an elastic job continues the run in --out: torchrun restarts the workers when a machine
+    # joins without counting a restart (TORCHELASTIC_RESTART_COUNT stays 0), so only --resume tells them to
+    # go on from the latest checkpoint instead of starting a new run. --no-resume after it opts out.
+    RESUME_ARGS=(--resume)
   fi
 fi

@@ -1,6 +1,7 @@
 """Elastic training on one machine standing in for two: two torchrun agents (NNODES=1:2, 2 processes each)
 meet through the c10d rendezvous; one "machine" dies (its agent and its workers SIGKILLed at once) and the
-survivor restarts alone from the latest checkpoint, with the same global batch, and finishes the curve."""
+survivor restarts alone from the latest checkpoint, with the same global batch, and finishes the curve; a
+machine that comes back is taken in at the next restart, and the curve goes on at 4 processes."""
 
 import contextlib
 import os
@@ -11,10 +12,21 @@ import time
 
 import pytest
 
-from tests.helpers import ROOT, SMALL, env_for_tests, last_logged_step, losses, max_abs_diff, run_command, run_many
+from tests.helpers import (
+    ROOT,
+    SMALL,
+    env_for_tests,
+    last_logged_step,
+    losses,
+    max_abs_diff,
+    read_run,
+    run_command,
+    run_many,
+)
 
-# 80 steps (5 epochs) of a global batch of 96 (24 per rank on 4 ranks, 48 on 2), a checkpoint every 10: the machine
-# dies after step 25, well before the end
+# 50 steps of a global batch of 96 (24 per rank on 4 ranks, 48 on 2), a checkpoint every 10: the machine dies
+# after step 25, well before the end
+STEPS = 50
 ELASTIC = [
     *SMALL,
     "--dropout",
@@ -22,7 +34,7 @@ ELASTIC = [
     "--lr",
     "1e-4",
     "--max-steps",
-    "80",
+    str(STEPS),
     "--epochs",
     "5",
     "--batch-size",
@@ -30,6 +42,14 @@ ELASTIC = [
     "--checkpoint-every",
     "10",
 ]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted 4-process run of each strategy, in one launch."""
+    root = tmp_path_factory.mktemp("elastic-reference")
+    run_many({root / s: (s, ELASTIC) for s in ("ddp", "fsdp")}, 4)
+    return root
 
 
 def free_port() -> int:
@@ -57,8 +77,11 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def start_agent(strategy: str, out, port: int) -> subprocess.Popen:
+def start_agent(strategy: str, out, port: int, **extra: str) -> subprocess.Popen:
     env = {**env_for_tests(), "NNODES": "1:2", "NPROC": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    # a survivor re-forms its group after RDZV_LAST_CALL_S (default 10 s); 3 s keeps the test short and still
+    # lets the second agent, started 1 s after the first, join the first round
+    env.update({"RDZV_LAST_CALL_S": "3", **extra})
     return subprocess.Popen(
         ["bash", f"run_{strategy}.sh", *ELASTIC, "--out", str(out)],
         cwd=ROOT,
@@ -70,9 +93,7 @@ def start_agent(strategy: str, out, port: int) -> subprocess.Popen:
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_the_survivor_of_a_lost_machine_finishes_the_same_curve(strategy, tmp_path):
-    reference = tmp_path / "reference"
-    run_many({reference: (strategy, ELASTIC)}, 4)
+def test_the_survivor_of_a_lost_machine_finishes_the_same_curve(strategy, reference, tmp_path):
     out, port = tmp_path / "elastic", free_port()
     survivor = start_agent(strategy, out, port)
     time.sleep(1)  # the survivor hosts the rendezvous store (the first agent to bind MASTER_PORT)
@@ -90,12 +111,41 @@ def test_the_survivor_of_a_lost_machine_finishes_the_same_curve(strategy, tmp_pa
         assert survivor.returncode == 0, printed[-4000:]
         assert time.monotonic() - killed_at < 150
     finally:
-        for agent in (survivor, doomed):
-            for pid in [agent.pid, *descendants(agent.pid)] if agent.poll() is None else []:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-    assert len(losses(out)) == 80, printed[-6000:]  # every step once (read_metrics fails on a step logged twice)
-    assert max_abs_diff(losses(out), losses(reference)) <= 1e-4
+        kill_all(survivor, doomed)
+    assert len(losses(out)) == STEPS, printed[-6000:]  # every step once (read_metrics fails on a step logged twice)
+    assert max_abs_diff(losses(out), losses(reference / strategy)) <= 1e-4
+    assert read_run(out)["world_size"] == 2 and not (tmp_path / "elastic.1").exists()  # the survivor resumed
+
+
+def kill_all(*agents: subprocess.Popen) -> None:
+    for agent in agents:
+        for pid in [agent.pid, *descendants(agent.pid)] if agent.poll() is None else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_machine_that_comes_back_is_taken_in_at_the_next_restart(reference, tmp_path):
+    out, port = tmp_path / "elastic", free_port()
+    # one machine starts alone (NNODES=1:2 lets it, after a short last call for others) on 2 processes
+    first = start_agent("ddp", out, port, RDZV_LAST_CALL_S="1")
+    second = None
+    try:
+        deadline = time.monotonic() + 240
+        while last_logged_step(out) < 15:
+            assert time.monotonic() < deadline and first.poll() is None, first.communicate()[0][-3000:]
+            time.sleep(0.05)
+        # the second machine comes (back): the first agent sees it waiting, restarts its workers, and the
+        # group of 4 resumes from the latest checkpoint
+        second = start_agent("ddp", out, port)
+        printed = [agent.communicate(timeout=240)[0] for agent in (first, second)]
+        assert first.returncode == 0 and second.returncode == 0, printed[0][-3000:] + printed[1][-3000:]
+    finally:
+        kill_all(first, *([second] if second else []))
+    # taken in at a restart that resumed the run (a fresh start would have moved it aside to elastic.1)
+    assert "resumed from" in printed[0] + printed[1] and not (tmp_path / "elastic.1").exists()
+    assert read_run(out)["world_size"] == 4  # finished by both machines
+    assert len(losses(out)) == STEPS  # every step once
+    assert max_abs_diff(losses(out), losses(reference / "ddp")) <= 1e-4
 
 
 @pytest.mark.parametrize(

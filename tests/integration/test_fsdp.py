@@ -225,7 +225,7 @@ def test_runner_resumes_and_writes_the_metrics_contract(killed):
     train, evals = read_metrics(out)  # fails on a step logged twice
     assert sorted(train) == list(range(1, PARITY_STEPS + 1)) and [e["step"] for e in evals] == [PARITY_STEPS]
     for record in train.values():
-        assert set(record) == {"kind", "step", "loss", "lr", "samples_per_s", "step_time_s"}
+        assert set(record) == {"kind", "step", "loss", "lr", "grad_norm", "samples_per_s", "step_time_s"}
     run = read_run(out)
     assert (run["strategy"], run["world_size"], run["backend"]) == ("fsdp", 4, "gloo")
     assert run["config"]["sharding"] == "full" and "schedule" not in run["config"]
