@@ -30,6 +30,7 @@ from torch.distributed.pipelining import (
 
 from common.config import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
 from common.data import DataSet, Split, longest_shard, shard_range, to_device_batch
+from common.pipeline_actions import wrap_actions
 
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,  # all forwards, then all backwards (fill, drain)
@@ -101,12 +102,7 @@ class BubbleMeter:
         self.windows: list[tuple[float, float]] = []  # per step: (busy_s, window_s)
         self.cost_s: dict[tuple[int, str], list[float]] = defaultdict(lambda: [0.0, 0])  # (stage, kind) -> [s, n]
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        for stage in stages:
-            stage.forward_one_chunk = self._timed(stage, stage.forward_one_chunk, lambda kw: "F")
-            stage.backward_one_chunk = self._timed(
-                stage, stage.backward_one_chunk, lambda kw: "B" if kw.get("full_backward", True) else "I"
-            )
-            stage.backward_weight_one_chunk = self._timed(stage, stage.backward_weight_one_chunk, lambda kw: "W")
+        wrap_actions(stages, self._timed)
 
     def _timed(self, stage, method: Callable, kind_of: Callable[[dict], str]) -> Callable:
         @functools.wraps(method)

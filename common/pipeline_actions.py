@@ -20,18 +20,24 @@ import torch.distributed as dist
 SPAN_WORD = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
 
 
+def wrap_actions(stages: Sequence, wrap: Callable[[Any, Callable, Callable[[dict], str]], Callable]) -> None:
+    """Replace each stage's forward, backward and weight-gradient method by wrap(stage, method, kind_of), where
+    kind_of(kwargs) names the action: F, B (a full backward) or I (its input part only), W."""
+    for stage in stages:
+        stage.forward_one_chunk = wrap(stage, stage.forward_one_chunk, lambda kw: "F")
+        stage.backward_one_chunk = wrap(
+            stage, stage.backward_one_chunk, lambda kw: "B" if kw.get("full_backward", True) else "I"
+        )
+        stage.backward_weight_one_chunk = wrap(stage, stage.backward_weight_one_chunk, lambda kw: "W")
+
+
 class ActionClock:
     def __init__(self, stages: Sequence, span: Callable[[str], ContextManager]) -> None:
         self.span = span
         self.current: list[list] = []  # [stage, kind, micro-batch, start, end] in time.perf_counter() seconds
         self.last: list[list] = []
         self.step_start, self.last_window = 0.0, (0.0, 0.0)
-        for stage in stages:
-            stage.forward_one_chunk = self._clocked(stage, stage.forward_one_chunk, lambda kw: "F")
-            stage.backward_one_chunk = self._clocked(
-                stage, stage.backward_one_chunk, lambda kw: "B" if kw.get("full_backward", True) else "I"
-            )
-            stage.backward_weight_one_chunk = self._clocked(stage, stage.backward_weight_one_chunk, lambda kw: "W")
+        wrap_actions(stages, self._clocked)
 
     def _clocked(self, stage, method: Callable, kind_of: Callable[[dict], str]) -> Callable:
         @functools.wraps(method)
