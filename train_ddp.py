@@ -25,6 +25,7 @@ from common.distributed import RankLogger, run, seed_everything, setup_distribut
 from common.metrics import MetricsWriter, measure_memory, write_run_json
 from common.model import build_model
 from common.profiling import StepProfiler
+from common.runs import already_done, total_steps
 from common.training import (
     autocast,
     build_optimizer,
@@ -35,7 +36,6 @@ from common.training import (
     global_mean,
     lr_at,
     set_lr,
-    total_steps,
 )
 
 
@@ -105,7 +105,7 @@ def train(cfg, env) -> None:
         start_step = load_checkpoint(path, model=model, optimizers=[optimizer])
         log(f"resumed from {path} (step {start_step})")
     if start_step >= steps:  # a finished run: nothing to train, nothing to rewrite
-        log(f"{cfg.out}: already at step {start_step} of {steps}; nothing to train (raise --max-steps or --epochs)")
+        log(already_done(cfg.out, start_step, steps))
         return
     metrics = MetricsWriter(
         cfg.out,

@@ -44,6 +44,7 @@ from common.pipeline import (
 )
 from common.pipeline_actions import ActionClock
 from common.profiling import StepProfiler
+from common.runs import already_done, total_steps
 from common.training import (
     autocast,
     build_optimizer,
@@ -52,7 +53,6 @@ from common.training import (
     gather_memory,
     lr_at,
     set_lr,
-    total_steps,
 )
 
 
@@ -156,7 +156,7 @@ def train(cfg, env) -> None:
         start_step = load_checkpoint(path, model=local_model, optimizers=optimizers)
         log(f"resumed from {path} (step {start_step})")
     if start_step >= steps:  # a finished run: nothing to train, nothing to rewrite
-        log(f"{cfg.out}: already at step {start_step} of {steps}; nothing to train (raise --max-steps or --epochs)")
+        log(already_done(cfg.out, start_step, steps))
         return
     metrics = MetricsWriter(
         cfg.out,

@@ -156,12 +156,8 @@ def latest_checkpoint(out_dir: str, *, log: Callable[[str], None] = print) -> st
     return None
 
 
-def resume_requested(resume_flag: bool) -> bool:
-    """--resume, or torchrun restarted the group after a failure (then resuming is the only sane choice)."""
-    return resume_flag or _restarted()
-
-
 def _restarted() -> bool:
+    """torchrun restarted the group after a failure (then resuming is the only sane choice)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 

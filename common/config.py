@@ -219,14 +219,18 @@ class Config:
             self.check_world_size(world_size)
         return self
 
+    @property
+    def runs_on_cpu(self) -> bool:
+        """--device cpu, or auto on a machine without an NVIDIA device node (known without importing torch; the
+        workers ask torch.cuda again)."""
+        return self.device == "cpu" or (self.device == "auto" and not glob.glob("/dev/nvidia[0-9]*"))
+
     def check_observability(self) -> None:
         a, _, b = self.profile_steps.partition(":")
         ok = not self.profile_steps or (a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b))
         if not ok:
             raise ConfigError(f"--profile-steps: expected A:B with 1 <= A <= B (e.g. 3:5), got {self.profile_steps!r}")
-        # "auto" without torch: no NVIDIA device node means CPU (the worker checks torch.cuda again)
-        on_cpu = self.device == "cpu" or (self.device == "auto" and not glob.glob("/dev/nvidia[0-9]*"))
-        if self.memory_snapshot and on_cpu:
+        if self.memory_snapshot and self.runs_on_cpu:
             raise ConfigError(
                 "--memory-snapshot: needs CUDA (it records the CUDA allocator); this run is on CPU: drop the flag"
             )

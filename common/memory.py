@@ -3,8 +3,6 @@ starts, instead of the kernel's OOM killer and a screenful of torchrun noise. No
 
 from __future__ import annotations
 
-import glob
-
 from common.config import ConfigError
 
 # Memory one CPU training process of this suite takes (torch, the built-in data set, BabyCNN, gloo): the peak
@@ -27,15 +25,10 @@ def available_mib() -> int | None:
     return None
 
 
-def runs_on_cpu(device: str) -> bool:
-    """--device cpu, or auto on a machine without NVIDIA GPUs (checked without importing torch)."""
-    return device == "cpu" or (device == "auto" and not glob.glob("/dev/nvidia[0-9]*"))
-
-
-def check_memory(nproc: int, *, device: str) -> None:
-    """ConfigError when `nproc` CPU processes cannot fit in the available memory."""
+def check_memory(nproc: int, *, on_cpu: bool) -> None:
+    """ConfigError when `nproc` CPU processes cannot fit in the available memory (`on_cpu`: Config.runs_on_cpu)."""
     available = available_mib()
-    if available is None or not runs_on_cpu(device):
+    if available is None or not on_cpu:
         return
     if nproc * MIB_PER_CPU_PROCESS > available:
         fit = available // MIB_PER_CPU_PROCESS

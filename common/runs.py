@@ -131,20 +131,22 @@ def check_resume(cfg: Config, meta: dict, *, world_size: int | None = None) -> s
     return f"resuming {cfg.out} at step {meta['step']} with {', '.join(changed)}" if changed else ""
 
 
-def total_steps_of(cfg: Config, steps_per_epoch: int) -> int:
-    """The run's length, as common.training.total_steps computes it."""
+def total_steps(cfg: Config, steps_per_epoch: int) -> int:
+    """The run's length in optimizer steps: --epochs, cut at --max-steps."""
     steps = cfg.epochs * steps_per_epoch
     return min(steps, cfg.max_steps) if cfg.max_steps else steps
+
+
+def already_done(out_dir: str, step: int, steps: int) -> str:
+    return f"{out_dir}: already at step {step} of {steps}; nothing to train (raise --max-steps or --epochs)"
 
 
 def finished_line(cfg: Config, meta: dict) -> str:
     """ "already at step N of N" when the checkpoint `meta` ends the run `cfg` asks for, else ""."""
     if "steps_per_epoch" not in meta:
         return ""
-    steps = total_steps_of(cfg, meta["steps_per_epoch"])
-    if meta["step"] < steps:
-        return ""
-    return f"{cfg.out}: already at step {meta['step']} of {steps}; nothing to train (raise --max-steps or --epochs)"
+    steps = total_steps(cfg, meta["steps_per_epoch"])
+    return already_done(cfg.out, meta["step"], steps) if meta["step"] >= steps else ""
 
 
 def holds_a_run(out_dir: str) -> bool:

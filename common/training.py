@@ -44,11 +44,6 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def total_steps(cfg: Config, steps_per_epoch: int) -> int:
-    steps = cfg.epochs * steps_per_epoch
-    return min(steps, cfg.max_steps) if cfg.max_steps else steps
-
-
 def autocast(cfg: Config, device: torch.device):
     """bf16 autocast for --precision bf16 (matmuls and convolutions in bf16, reductions in fp32)."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
