@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -114,13 +115,38 @@ def rewind(src: Path, dst: Path, step: int) -> Path:
     return dst
 
 
+@dataclass(frozen=True)
+class Run:
+    """One training for a shared launch (tests/integration/conftest.py): train_<strategy>.py's training with
+    `flags` on `nproc` processes. With `rewound_from` (another run's name in the pool, a step) it starts in a
+    copy of that run as it stood after that step (rewind), e.g. to --resume it. Strategy "seeding" is not a
+    training but tests/integration/workers/seeding.py's check of the seeding contract."""
+
+    strategy: str
+    flags: list[str] = field(default_factory=list)
+    nproc: int = 4
+    rewound_from: tuple[str, int] | None = None
+
+
 def run_many(
-    runs: dict[Path, tuple[str, list[str]]], nproc: int, *, timeout: float = 2 * LAUNCH_TIMEOUT_S
+    runs: dict[Path, tuple[Run, tuple[Path, int] | None]], nproc: int, *, timeout: float = 2 * LAUNCH_TIMEOUT_S
 ) -> subprocess.CompletedProcess:
-    """Several trainings {out: (strategy, flags)} one after another in ONE launch of nproc processes (torchrun;
-    plain python for one): tests/integration/workers/runs.py runs the real train_<strategy>.train for each."""
+    """Several trainings {out: (run, (folder to rewind from, step) or None)} one after another in ONE launch of
+    nproc processes (torchrun; plain python for one): tests/integration/workers/runs.py runs the real
+    train_<strategy>.train for each."""
     spec = Path(tempfile.mkstemp(suffix=".json", prefix="runs-", dir=next(iter(runs)).parent)[1])
-    spec.write_text(json.dumps({str(out): [strategy, flags] for out, (strategy, flags) in runs.items()}))
+    spec.write_text(
+        json.dumps(
+            {
+                str(out): {
+                    "strategy": run.strategy,
+                    "flags": run.flags,
+                    "rewind": rewind and [str(rewind[0]), rewind[1]],
+                }
+                for out, (run, rewind) in runs.items()
+            }
+        )
+    )
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
     return run_command([sys.executable, *launcher, "tests/integration/workers/runs.py", str(spec)], timeout=timeout)
 

@@ -13,6 +13,7 @@ from tests.helpers import (
     PARITY_STEPS,
     ROOT,
     SGD,
+    Run,
     env_for_tests,
     kill_a_worker_when,
     last_logged_step,
@@ -22,30 +23,27 @@ from tests.helpers import (
     read_metrics,
     read_run,
     run_command,
-    run_many,
     start_runner,
 )
 
 TEN = ["--checkpoint-every", "10"]  # checkpoints after steps 10, 20 and 30
 
 
+# Trainings in the shared launches (tests/integration/conftest.py)
+POOLED = {
+    "ddp4": Run("ddp", PARITY),
+    # 2001 test images: shards of 500, 500, 500 and 501, so the last rank needs one batch more
+    "sgd4": Run("ddp", [*PARITY, *SGD, "--checkpoint-every", "6", "--keep", "2", "--test-size", "2001"]),
+    "ddp3_accum": Run("ddp", [*PARITY, "--grad-accum-steps", "2"], nproc=3),
+    "seeding3": Run("seeding", nproc=3),
+}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, references):
-    """Every run the parity tests compare, launched once for the module (the 1-process references are
-    shared with test_fsdp.py)."""
-    root = tmp_path_factory.mktemp("ddp")
-    out = {name: root / name for name in ("ddp4", "sgd4", "ddp3_accum", "runner2")}
-    out.update(references)
-    # two trainings in one launch of 4 processes (tests/integration/workers/runs.py): start-up costs more than a run
-    run_many(
-        {
-            out["ddp4"]: ("ddp", PARITY),
-            # 2001 test images: shards of 500, 500, 500 and 501, so the last rank needs one batch more
-            out["sgd4"]: ("ddp", [*PARITY, *SGD, "--checkpoint-every", "6", "--keep", "2", "--test-size", "2001"]),
-        },
-        4,
-    )
-    launch("train_ddp.py", 3, [*PARITY, "--grad-accum-steps", "2"], out["ddp3_accum"])
+def runs(tmp_path_factory, pool, references):
+    """The pooled runs, the 1-process references (shared with test_fsdp.py) and run_ddp.sh on 2 processes."""
+    out = {**references, **{name: pool / "ddp" / name for name in POOLED}}
+    out["runner2"] = tmp_path_factory.mktemp("ddp") / "runner2"
     run_command(
         ["bash", "run_ddp.sh", *PARITY, *TEN, "--out", str(out["runner2"])], env={**env_for_tests(), "NPROC": "2"}
     )
@@ -121,19 +119,13 @@ def test_a_sigkilled_worker_is_restarted_and_the_run_finishes_unchanged(runs, tm
     assert max_abs_diff(losses(out), losses(runs["runner2"])) <= 1e-6  # losses() fails on a step logged twice
 
 
-def test_ranks_share_weights_but_not_dropout_masks():
-    proc = run_command(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "3",
-            "tests/integration/workers/seeding.py",
-        ]
-    )
-    assert "seeding ok on 3 ranks" in proc.stdout
+def test_ranks_share_weights_but_not_dropout_masks(runs):
+    # 3 ranks build the model and seed as the scripts do (tests/integration/workers/seeding.py)
+    assert (runs["seeding3"] / "seeding.txt").read_text().splitlines() == [
+        "ranks 3",
+        "identical initial weights True",
+        "distinct dropout masks 3",
+    ]
 
 
 # --------------------------------------------------------------------------------------------- bad input

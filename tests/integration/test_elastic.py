@@ -15,13 +15,13 @@ import pytest
 from tests.helpers import (
     ROOT,
     SMALL,
+    Run,
     env_for_tests,
     last_logged_step,
     losses,
     max_abs_diff,
     read_run,
     run_command,
-    run_many,
 )
 
 # 50 steps of a global batch of 96 (24 per rank on 4 ranks, 48 on 2), a checkpoint every 10: the machine dies
@@ -44,12 +44,14 @@ ELASTIC = [
 ]
 
 
+# In the shared launches (tests/integration/conftest.py): the uninterrupted run, on one process (plain
+# training: the curve every world size must reproduce, whichever strategy and however the world changes)
+POOLED = {"reference": Run("ddp", ELASTIC, nproc=1)}
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The uninterrupted 4-process run of each strategy, in one launch."""
-    root = tmp_path_factory.mktemp("elastic-reference")
-    run_many({root / s: (s, ELASTIC) for s in ("ddp", "fsdp")}, 4)
-    return root
+def reference(pool):
+    return pool / "elastic" / "reference"
 
 
 def free_port() -> int:
@@ -113,7 +115,7 @@ def test_the_survivor_of_a_lost_machine_finishes_the_same_curve(strategy, refere
     finally:
         kill_all(survivor, doomed)
     assert len(losses(out)) == STEPS, printed[-6000:]  # every step once (read_metrics fails on a step logged twice)
-    assert max_abs_diff(losses(out), losses(reference / strategy)) <= 1e-4
+    assert max_abs_diff(losses(out), losses(reference)) <= 1e-4
     assert read_run(out)["world_size"] == 2 and not (tmp_path / "elastic.1").exists()  # the survivor resumed
 
 
@@ -145,7 +147,7 @@ def test_a_machine_that_comes_back_is_taken_in_at_the_next_restart(reference, tm
     assert "resumed from" in printed[0] + printed[1] and not (tmp_path / "elastic.1").exists()
     assert read_run(out)["world_size"] == 4  # finished by both machines
     assert len(losses(out)) == STEPS  # every step once
-    assert max_abs_diff(losses(out), losses(reference / "ddp")) <= 1e-4
+    assert max_abs_diff(losses(out), losses(reference)) <= 1e-4
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.helpers import SMALL, losses, read_metrics, read_run, run_command, run_many
+from tests.helpers import SMALL, Run, losses, read_metrics, read_run, run_command
 
 STEPS = 20
 # Clipping active on most steps: at this batch and learning rate the whole gradient's norm stays above 0.5
@@ -44,21 +44,22 @@ COMPILED = ["--compile", "--max-steps", str(COMPILE_STEPS)]
 REFERENCE = {"fsdp-bf16": "ref-bf16"}  # bf16 compute compares with bf16 compute (FSDP's, on one process)
 
 
+# Trainings in the shared launches (tests/integration/conftest.py)
+POOLED = {
+    "ref": Run("ddp", CLIP, nproc=1),
+    "ref-bf16": Run("fsdp", [*CLIP, "--precision", "bf16"], nproc=1),
+    "unclipped": Run("ddp", [*CLIP, "--max-grad-norm", "0"], nproc=1),
+    "cosine": Run("ddp", [*CLIP, *COSINE, "--max-steps", "40"], nproc=1),
+    "ddp-compiled": Run("ddp", [*CLIP, *COMPILED], nproc=1),
+    "fsdp-compiled-blocks": Run("fsdp", [*CLIP, *COMPILED, "--shard-units", "blocks"], nproc=1),
+    **{name: Run(strategy, [*CLIP, *flags]) for name, (strategy, flags) in ON_4_RANKS.items()},
+    "pp-compiled": Run("pippy", [*CLIP, *COMPILED]),
+}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("essentials")
-    on_1 = {
-        "ref": ("ddp", CLIP),
-        "ref-bf16": ("fsdp", [*CLIP, "--precision", "bf16"]),
-        "unclipped": ("ddp", [*CLIP, "--max-grad-norm", "0"]),
-        "cosine": ("ddp", [*CLIP, *COSINE, "--max-steps", "40"]),
-        "ddp-compiled": ("ddp", [*CLIP, *COMPILED]),
-        "fsdp-compiled-blocks": ("fsdp", [*CLIP, *COMPILED, "--shard-units", "blocks"]),
-    }
-    run_many({root / name: run for name, run in on_1.items()}, 1)
-    on_4 = {**ON_4_RANKS, "pp-compiled": ("pippy", COMPILED)}
-    run_many({root / name: (strategy, [*CLIP, *flags]) for name, (strategy, flags) in on_4.items()}, 4)
-    return root
+def runs(pool):
+    return pool / "essentials"
 
 
 def grad_norms(out) -> list[float]:

@@ -14,6 +14,7 @@ from tests.helpers import (
     PARITY_STEPS,
     SGD,
     SMALL,
+    Run,
     env_for_tests,
     kill_a_worker_when,
     launch,
@@ -22,7 +23,6 @@ from tests.helpers import (
     read_metrics,
     read_run,
     run_command,
-    run_many,
     start_runner,
 )
 
@@ -43,30 +43,33 @@ LONG = [*PARITY, "--checkpoint-every", "15"]
 TWENTY = ["--max-steps", "20"]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, references):
-    """Every run the tests compare, launched once for the module: ten trainings in one torchrun of 4
-    processes (tests/integration/workers/runs.py: starting Python and torch in four processes costs more than a
-    30-step run), and the 4-rank step-15 checkpoint resumed on 2 ranks and on 1. The 1-process
-    references are shared with test_ddp.py."""
-    root = tmp_path_factory.mktemp("fsdp")
-    on_4_ranks = {
-        "ddp4": ("ddp", [*PARITY, "--max-steps", "2"]),  # only for its memory record
-        "bf16": ("fsdp", [*SMALL, "--batch-size", "96", "--precision", "bf16", "--sharding", "grad-op"]),
-        "adamw_blocks": ("fsdp", [*PARITY, *TWENTY, "--shard-units", "blocks"]),
-    }
-    for mode in MODES:
-        on_4_ranks[f"adamw_{mode}"] = ("fsdp", [*LONG, "--sharding", mode, *([] if mode == "full" else TWENTY)])
-        on_4_ranks[f"sgd_{mode}"] = ("fsdp", [*PARITY, *TWENTY, *SGD, "--sharding", mode, *SGD_EXTRA[mode]])
-    out = {**references, **{name: root / name for name in on_4_ranks}}
-    run_many({root / name: run for name, run in on_4_ranks.items()}, 4)
+# Trainings in the shared launches (tests/integration/conftest.py): every sharding mode on 4 ranks, and the
+# 4-rank step-15 checkpoint of "adamw_full" resumed on 2 ranks (in a copy of that run as it stood then)
+POOLED = {
+    "ddp4": Run("ddp", [*PARITY, "--max-steps", "2"]),  # only for its memory record
+    "bf16": Run("fsdp", [*SMALL, "--batch-size", "96", "--precision", "bf16", "--sharding", "grad-op"]),
+    "adamw_blocks": Run("fsdp", [*PARITY, *TWENTY, "--shard-units", "blocks"]),
+    **{
+        f"{optimizer}_{mode}": Run("fsdp", flags)
+        for mode in MODES
+        for optimizer, flags in (
+            ("adamw", [*LONG, "--sharding", mode, *([] if mode == "full" else TWENTY)]),
+            ("sgd", [*PARITY, *TWENTY, *SGD, "--sharding", mode, *SGD_EXTRA[mode]]),
+        )
+    },
+    "on2": Run("fsdp", [*LONG, "--resume"], nproc=2, rewound_from=("fsdp/adamw_full", 15)),
+}
 
-    # the 4-rank step-15 checkpoint resumed on 2 ranks and on 1 (a folder holding only that checkpoint)
-    for name, nproc in (("on2", 2), ("on1", 1)):
-        out[name] = root / name
-        step15 = "checkpoints/step_0000015"
-        shutil.copytree(out["adamw_full"] / step15, out[name] / step15)
-        launch("train_fsdp.py", nproc, [*LONG, "--resume"], out[name])
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, pool, references):
+    """The pooled runs, the 1-process references (shared with test_ddp.py), and the 4-rank step-15 checkpoint
+    resumed by one process in a folder that holds only that checkpoint."""
+    out = {**references, **{name: pool / "fsdp" / name for name in POOLED}}
+    out["on1"] = tmp_path_factory.mktemp("fsdp") / "on1"
+    step15 = "checkpoints/step_0000015"
+    shutil.copytree(out["adamw_full"] / step15, out["on1"] / step15)
+    launch("train_fsdp.py", 1, [*LONG, "--resume"], out["on1"])
     return out
 
 
@@ -159,9 +162,11 @@ def test_a_four_rank_checkpoint_resumes_on_fewer_ranks(runs, world_size):
     # the later losses by ~5e-2, so 1e-4 would catch a lost optimizer state)
     out = runs[f"on{world_size}"]
     train, _ = read_metrics(out)
-    assert sorted(train) == list(range(16, 31)), "a resumed run writes the steps after its checkpoint"
+    # on 2 ranks the run folder as it stood after step 15; on 1 a folder with only the checkpoint, where the
+    # resumed run writes the steps after it
+    assert sorted(train) == list(range(1 if world_size == 2 else 16, 31))
     full = losses(runs["adamw_full"])
-    assert max(abs(train[s]["loss"] - full[s - 1]) for s in train) <= 1e-4
+    assert max(abs(train[s]["loss"] - full[s - 1]) for s in range(16, 31)) <= 1e-4
     assert read_run(out)["world_size"] == world_size
 
 

@@ -5,13 +5,13 @@ bad combinations rejected in one line before anything trains."""
 import json
 import re
 import shutil
-import subprocess
 import sys
 
 import pytest
 
 from tests.helpers import (
     PP_PARITY,
+    Run,
     env_for_tests,
     kill_a_worker_when,
     last_logged_step,
@@ -20,9 +20,7 @@ from tests.helpers import (
     max_abs_diff,
     read_metrics,
     read_run,
-    rewind,
     run_command,
-    run_many,
     start_runner,
 )
 
@@ -54,9 +52,13 @@ DP2 = {
 PART1 = ["--schedule", "interleaved-1f1b", "--stages-per-rank", "2", "--max-steps", "12", "--checkpoint-every", "12"]
 
 
-def run_pipelines(runs: dict[str, list[str]], root) -> subprocess.CompletedProcess:
-    """All `runs` ({name: flags}) in one torchrun launch of 4 processes (tests/integration/workers/runs.py)."""
-    return run_many({root / name: ("pippy", [*PP_PARITY, *flags]) for name, flags in runs.items()}, 4, timeout=600)
+# Trainings in the shared launches (tests/integration/conftest.py): each schedule at 4 and 8 micro-batches,
+# the --dp 2 runs, the first half of a run to resume, and a pipeline resuming the 1-process DDP run's
+# checkpoint (in a copy of that run as it stood after step 12)
+POOLED = {
+    **{name: Run("pippy", [*PP_PARITY, *flags]) for name, flags in {**MATRIX, **DP2, "part1": PART1}.items()},
+    "from-ddp": Run("pippy", [*PP_PARITY, "--dp", "2", "--resume"], rewound_from=("references/pipeline", 12)),
+}
 
 
 @pytest.fixture(scope="module")
@@ -66,15 +68,9 @@ def ref(references):
 
 
 @pytest.fixture(scope="module")
-def pipelines(tmp_path_factory, ref):
-    """Every 4-rank pipeline training the tests compare, in one launch: each schedule at 4 and 8
-    micro-batches, the --dp 2 runs, the first half of a run to resume, and a pipeline resuming DDP's
-    checkpoint."""
-    root = tmp_path_factory.mktemp("pipelines")
-    rewind(ref, root / "from-ddp", 12)  # the 1-process DDP run as it stood after step 12
-    proc = run_pipelines({**MATRIX, **DP2, "part1": PART1, "from-ddp": ["--dp", "2", "--resume"]}, root)
-    assert f"resumed from {root / 'from-ddp'}/checkpoints/step_0000012 (step 12)" in proc.stdout
-    return root
+def pipelines(pool):
+    assert f"resumed from {pool / 'pippy' / 'from-ddp'}/checkpoints/step_0000012 (step 12)" in pool.output
+    return pool / "pippy"
 
 
 def check_matches_reference(out, ref_out) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import SMALL, env_for_tests, launch, losses, max_abs_diff, rewind, run_command, run_many
+from tests.helpers import SMALL, Run, env_for_tests, launch, losses, max_abs_diff, run_command
 
 STRATEGIES = ("ddp", "fsdp", "pippy")
 # --lr 2e-3: AdamW turns a 1-ulp gradient difference into ~1e-3 of loss within ~20 steps, so only an exact
@@ -27,16 +27,18 @@ EXACT = [
 ]
 
 
+# Trainings in the shared launches (tests/integration/conftest.py): each strategy's uninterrupted 40-step run,
+# then the same run resumed from its step-20 checkpoint in a fresh set of runs (a new DDP wrap, new shards,
+# new stages), in a copy of the run folder as it stood after step 20
+POOLED = {
+    **{s: Run(s, EXACT) for s in STRATEGIES},
+    **{f"{s}-resumed": Run(s, [*EXACT, "--resume"], rewound_from=(f"resume/{s}", 20)) for s in STRATEGIES},
+}
+
+
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory):
-    """Each strategy's uninterrupted 40-step run, and the same run resumed from its step-20 checkpoint in a
-    fresh set of runs (a new DDP wrap, new shards, new stages): two launches of 4 processes in all."""
-    root = tmp_path_factory.mktemp("resume")
-    run_many({root / s: (s, EXACT) for s in STRATEGIES}, 4)
-    for s in STRATEGIES:
-        rewind(root / s, root / f"{s}-resumed", 20)
-    run_many({root / f"{s}-resumed": (s, [*EXACT, "--resume"]) for s in STRATEGIES}, 4)
-    return root
+def resumed(pool):
+    return pool / "resume"
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

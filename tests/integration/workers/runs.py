@@ -3,21 +3,26 @@
     torchrun --standalone --nproc-per-node 4 tests/integration/workers/runs.py RUNS.json
     python tests/integration/workers/runs.py RUNS.json                     # one process, as `python train_ddp.py` runs
 
-RUNS.json maps an output folder to [strategy, flags] (strategy: ddp, fsdp or pippy). Each run is the real
-`train_<strategy>.train` on the real process group (each builds its own model, device mesh, shards, stages
-and schedule); only the start-up of the processes -- Python, torch and the process group, which costs
-more than a short run -- is shared. That is what lets the tests compare every sharding mode and every
-pipeline schedule with one process within their time budget.
+RUNS.json maps an output folder to {"strategy", "flags", "rewind"} (strategy: ddp, fsdp or pippy; rewind:
+null, or [a run folder, a step] to start from a copy of that folder as it stood after that step). Each run
+is the real `train_<strategy>.train` on the real process group (each builds its own model, device mesh,
+shards, stages and schedule); only the start-up of the processes -- Python, torch and the process group,
+which costs more than a short run -- is shared. That is what lets the tests compare every sharding mode and
+every pipeline schedule with one process within their time budget.
 """
 
 import importlib
 import json
 import sys
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from common.cli import parse_config
 from common.distributed import setup_distributed, teardown_distributed
+from tests.helpers import rewind
+from tests.integration.workers.seeding import check_seeding
 
 
 def main() -> None:
@@ -26,10 +31,18 @@ def main() -> None:
     env = setup_distributed(timeout_s=120)
     default_threads = torch.get_num_threads()
     try:
-        for out, (strategy, flags) in runs.items():
-            cfg = parse_config(strategy, [*flags, "--out", out], world_size=env.world_size)
+        for out, run in runs.items():
+            if run["rewind"]:
+                if env.rank == 0:
+                    rewind(Path(run["rewind"][0]), Path(out), run["rewind"][1])
+                if dist.is_initialized():
+                    dist.barrier()  # every rank sees the copy before its run reads it
+            if run["strategy"] == "seeding":
+                check_seeding(env, Path(out))
+                continue
+            cfg = parse_config(run["strategy"], [*run["flags"], "--out", out], world_size=env.world_size)
             torch.set_num_threads(cfg.threads or default_threads)  # what setup_distributed does with --threads
-            importlib.import_module(f"train_{strategy}").train(cfg, env)
+            importlib.import_module(f"train_{run['strategy']}").train(cfg, env)
     finally:
         teardown_distributed()
 
