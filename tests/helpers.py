@@ -129,26 +129,23 @@ class Run:
 
 
 def run_many(
-    runs: dict[Path, tuple[Run, tuple[Path, int] | None]], nproc: int, *, timeout: float = 2 * LAUNCH_TIMEOUT_S
+    runs: dict[str, Run], nproc: int, root: Path, *, timeout: float = 2 * LAUNCH_TIMEOUT_S
 ) -> subprocess.CompletedProcess:
-    """Several trainings {out: (run, (folder to rewind from, step) or None)} one after another in ONE launch of
-    nproc processes (torchrun; plain python for one): tests/integration/workers/runs.py runs the real
-    train_<strategy>.train for each."""
-    spec = Path(tempfile.mkstemp(suffix=".json", prefix="runs-", dir=next(iter(runs)).parent)[1])
-    spec.write_text(
-        json.dumps(
-            {
-                str(out): {
-                    "strategy": run.strategy,
-                    "flags": run.flags,
-                    "rewind": rewind and [str(rewind[0]), rewind[1]],
-                }
-                for out, (run, rewind) in runs.items()
-            }
-        )
-    )
+    """Several trainings {name: run}, all on nproc processes, one after another in ONE launch (torchrun; plain
+    python for one); each writes to root / name, and a `rewound_from` name is read from root too.
+    tests/integration/workers/runs.py runs the real train_<strategy>.train for each."""
+    spec = {
+        str(root / name): {
+            "strategy": run.strategy,
+            "flags": run.flags,
+            "rewind": run.rewound_from and [str(root / run.rewound_from[0]), run.rewound_from[1]],
+        }
+        for name, run in runs.items()
+    }
+    path = Path(tempfile.mkstemp(suffix=".json", prefix="runs-", dir=root)[1])
+    path.write_text(json.dumps(spec))
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
-    return run_command([sys.executable, *launcher, "tests/integration/workers/runs.py", str(spec)], timeout=timeout)
+    return run_command([sys.executable, *launcher, "tests/integration/workers/runs.py", str(path)], timeout=timeout)
 
 
 # ------------------------------------------------------------------------------------ killing a worker

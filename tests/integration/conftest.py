@@ -18,7 +18,7 @@ import pytest
 from tests.helpers import PARITY, PP_PARITY, SGD, Run, run_many
 
 LAUNCH_ORDER = (1, 4, 3, 2)
-LAUNCH_TIMEOUT_S = 1200  # the 4-process launch trains ~60 runs; a hung collective fails after 120 s anyway
+LAUNCH_TIMEOUT_S = 1200  # the 4-process launch trains 58 runs; a hung collective fails after 120 s anyway
 
 # The 1-process runs the distributed runs are compared with: plain training (train_ddp's training loop in a
 # world of one, no communication at all). `sgd_1thread` is `sgd` on one thread instead of two: a tolerance
@@ -51,22 +51,14 @@ def pool(request, tmp_path_factory) -> Pool:
     done: set[str] = set()
     printed = []
     for nproc in LAUNCH_ORDER:
-        group = [name for name, run in runs.items() if run.nproc == nproc]
-        if not group:
-            continue
-        for name in group:
-            source = runs[name].rewound_from
+        group = {name: run for name, run in runs.items() if run.nproc == nproc}
+        for name, run in group.items():
+            source = run.rewound_from
             assert source is None or source[0] in done, f"{name} starts from {source[0]}, which no earlier run writes"
             done.add(name)
             (root / name).parent.mkdir(parents=True, exist_ok=True)
-        launch = {
-            root / name: (
-                runs[name],
-                runs[name].rewound_from and (root / runs[name].rewound_from[0], runs[name].rewound_from[1]),
-            )
-            for name in group
-        }
-        printed.append(run_many(launch, nproc, timeout=LAUNCH_TIMEOUT_S).stdout)
+        if group:
+            printed.append(run_many(group, nproc, root, timeout=LAUNCH_TIMEOUT_S).stdout)
     return Pool(root, "".join(printed))
 
 
