@@ -6,6 +6,8 @@
 #                MIN:MAX: elastic, between MIN and MAX machines, with MASTER_ADDR set on each (no NODE_RANK)
 #   MAX_RESTARTS times torchrun restarts the group after a worker fails or a machine joins or leaves
 #                (default 0; 3 with NNODES=MIN:MAX)
+#   RDZV_LAST_CALL_S, RDZV_KEEP_ALIVE_S  elastic only: how long a started group waits for more machines
+#                (default 10 s), and the heartbeat interval (default 5 s; a machine is dead after 3 missed)
 #   PYTHON       the Python that has torch (default: .venv/bin/python if present, else python3)
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -30,7 +32,8 @@ else
   echo "error: NNODES=$NNODES must be a number of machines (NNODES=2) or a range for elastic training (NNODES=1:2)" >&2
   exit 2
 fi
-for var in NPROC MAX_RESTARTS; do
+RDZV_LAST_CALL_S=${RDZV_LAST_CALL_S:-10} RDZV_KEEP_ALIVE_S=${RDZV_KEEP_ALIVE_S:-5}
+for var in NPROC MAX_RESTARTS RDZV_LAST_CALL_S RDZV_KEEP_ALIVE_S; do
   least=1; [[ $var == MAX_RESTARTS ]] && least=0
   if ! [[ "${!var}" =~ ^[0-9]+$ ]] || (( ${!var} < least )); then
     echo "error: $var=${!var} must be a whole number of at least $least" >&2
@@ -75,9 +78,10 @@ else
   if (( MIN_NODES == MAX_NODES )); then
     TORCHRUN_ARGS+=(--node-rank "$NODE_RANK")
   else
-    # Elastic: once MIN machines are in, wait RDZV_LAST_CALL_S (default 10) for more, then start. When a
-    # machine dies, the others' workers fail at their next collective and their agents restart without it.
-    TORCHRUN_ARGS+=(--rdzv-conf "join_timeout=${RDZV_JOIN_TIMEOUT_S:-600},last_call_timeout=${RDZV_LAST_CALL_S:-10},close_timeout=10")
+    # Elastic: once MIN machines are in, wait RDZV_LAST_CALL_S for more, then start. When a machine dies, the
+    # others' workers fail at their next collective and their agents restart without it once its heartbeats
+    # (every RDZV_KEEP_ALIVE_S) have stopped for 3 intervals: until then it still counts as a member.
+    TORCHRUN_ARGS+=(--rdzv-conf "join_timeout=${RDZV_JOIN_TIMEOUT_S:-600},last_call_timeout=$RDZV_LAST_CALL_S,close_timeout=10,keep_alive_interval=$RDZV_KEEP_ALIVE_S")
     # A machine that joins a running group would wait for ever for the rendezvous' MASTER_ADDR: an agent
     # that already ran a round keeps its first round's store address and does not publish it again
     # (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py, next_rendezvous). Without the shared

@@ -1,32 +1,26 @@
 """Elastic training on one machine standing in for two: two torchrun agents (NNODES=1:2, 2 processes each)
-meet through the c10d rendezvous; one "machine" dies (its agent and its workers SIGKILLed at once) and the
-survivor restarts alone from the latest checkpoint, with the same global batch, and finishes the curve; a
-machine that comes back is taken in at the next restart, and the curve goes on at 4 processes."""
+meet through the c10d rendezvous. One "machine" starts alone; a second one joins, and the group resumes on
+4 processes; then the second dies (its agent and its workers SIGKILLed at once), and the survivor resumes
+alone from the 4-process checkpoint, with the same global batch, and finishes the curve."""
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.helpers import (
-    ROOT,
-    SMALL,
-    Run,
-    env_for_tests,
-    last_logged_step,
-    losses,
-    max_abs_diff,
-    read_run,
-    run_command,
-)
+from common.runs import latest_meta
+from tests.helpers import ROOT, SMALL, Run, env_for_tests, last_logged_step, losses, max_abs_diff, read_run, run_command
 
-# 50 steps of a global batch of 96 (24 per rank on 4 ranks, 48 on 2), a checkpoint every 10: the machine dies
-# after step 25, well before the end
-STEPS = 50
+# 60 steps of a global batch of 96 (48 per rank on 2 ranks, 24 on 4), a checkpoint every 10. The second
+# machine is started after step 11 and takes a few seconds to join, so the first machine alone is well short
+# of the end when the group grows; the second dies once the group of 4 has written a checkpoint.
+STEPS = 60
 ELASTIC = [
     *SMALL,
     "--dropout",
@@ -79,74 +73,67 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def start_agent(strategy: str, out, port: int, **extra: str) -> subprocess.Popen:
+def start_agent(strategy: str, out: Path, port: int, log: Path, **extra: str) -> subprocess.Popen:
+    """One "machine": run_<strategy>.sh with NNODES=1:2 on 2 processes, everything it prints into `log`."""
     env = {**env_for_tests(), "NNODES": "1:2", "NPROC": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    # a survivor re-forms its group after RDZV_LAST_CALL_S (default 10 s); 3 s keeps the test short and still
-    # lets the second agent, started 1 s after the first, join the first round
-    env.update({"RDZV_LAST_CALL_S": "3", **extra})
-    return subprocess.Popen(
-        ["bash", f"run_{strategy}.sh", *ELASTIC, "--out", str(out)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    # a machine alone starts after RDZV_LAST_CALL_S (default 10 s) without a second; a dead machine is noticed
+    # after 3 missed heartbeats, RDZV_KEEP_ALIVE_S apart (default 5 s): 3 s instead of 15 keeps the test short
+    env.update({"RDZV_LAST_CALL_S": "1", "RDZV_KEEP_ALIVE_S": "1", **extra})
+    with open(log, "w") as f:
+        return subprocess.Popen(
+            ["bash", f"run_{strategy}.sh", *ELASTIC, "--out", str(out)], cwd=ROOT, env=env, stdout=f, stderr=f
+        )
+
+
+def wait_for(condition, agent: subprocess.Popen, log: Path, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert agent.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+
+
+def trained_past_a_checkpoint_of(out: Path, *, world_size: int) -> bool:
+    """The newest checkpoint in `out` was written by `world_size` ranks, and they have trained on from it."""
+    meta = latest_meta(str(out))
+    return meta is not None and meta["world_size"] == world_size and last_logged_step(out) > meta["step"]
+
+
+def kill_machine(agent: subprocess.Popen) -> None:
+    """A machine dies: its agent and its workers at once."""
+    for pid in [agent.pid, *descendants(agent.pid)] if agent.poll() is None else []:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+RESUMED = r"resuming \S+ at step \d+ with {} -> {} processes"
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_the_survivor_of_a_lost_machine_finishes_the_same_curve(strategy, reference, tmp_path):
-    out, port = tmp_path / "elastic", free_port()
-    survivor = start_agent(strategy, out, port)
-    time.sleep(1)  # the survivor hosts the rendezvous store (the first agent to bind MASTER_PORT)
-    doomed = start_agent(strategy, out, port)
-    try:
-        deadline = time.monotonic() + 240
-        while last_logged_step(out) < 25:
-            assert time.monotonic() < deadline and survivor.poll() is None, survivor.communicate()[0][-3000:]
-            time.sleep(0.05)
-        for pid in [doomed.pid, *descendants(doomed.pid)]:  # the machine dies: its agent and workers at once
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        printed = survivor.communicate(timeout=150)[0]
-        assert survivor.returncode == 0, printed[-4000:]
-        assert time.monotonic() - killed_at < 150
-    finally:
-        kill_all(survivor, doomed)
-    assert len(losses(out)) == STEPS, printed[-6000:]  # every step once (read_metrics fails on a step logged twice)
-    assert max_abs_diff(losses(out), losses(reference)) <= 1e-4
-    assert read_run(out)["world_size"] == 2 and not (tmp_path / "elastic.1").exists()  # the survivor resumed
-
-
-def kill_all(*agents: subprocess.Popen) -> None:
-    for agent in agents:
-        for pid in [agent.pid, *descendants(agent.pid)] if agent.poll() is None else []:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-
-def test_a_machine_that_comes_back_is_taken_in_at_the_next_restart(reference, tmp_path):
-    out, port = tmp_path / "elastic", free_port()
-    # one machine starts alone (NNODES=1:2 lets it, after a short last call for others) on 2 processes
-    first = start_agent("ddp", out, port, RDZV_LAST_CALL_S="1")
+def test_a_machine_joins_then_dies_and_the_curve_goes_on(strategy, reference, tmp_path):
+    out, port, logs = tmp_path / "elastic", free_port(), (tmp_path / "first.log", tmp_path / "second.log")
+    first = start_agent(strategy, out, port, logs[0])  # alone, on 2 processes
     second = None
     try:
-        deadline = time.monotonic() + 240
-        while last_logged_step(out) < 15:
-            assert time.monotonic() < deadline and first.poll() is None, first.communicate()[0][-3000:]
-            time.sleep(0.05)
-        # the second machine comes (back): the first agent sees it waiting, restarts its workers, and the
-        # group of 4 resumes from the latest checkpoint
-        second = start_agent("ddp", out, port)
-        printed = [agent.communicate(timeout=240)[0] for agent in (first, second)]
-        assert first.returncode == 0 and second.returncode == 0, printed[0][-3000:] + printed[1][-3000:]
+        wait_for(lambda: last_logged_step(out) > 10, first, logs[0])  # past the step-10 checkpoint
+        # the second machine comes: the first agent sees it waiting and restarts its workers, and the group of
+        # 4 resumes from the latest checkpoint; it dies once that group has written a checkpoint of its own
+        second = start_agent(strategy, out, port, logs[1])
+        wait_for(lambda: trained_past_a_checkpoint_of(out, world_size=4), first, logs[0])
+        kill_machine(second)
+        killed_at = time.monotonic()
+        first.wait(timeout=150)  # the survivor resumes alone and finishes
+        assert first.returncode == 0 and time.monotonic() - killed_at < 150, logs[0].read_text()[-4000:]
     finally:
-        kill_all(first, *([second] if second else []))
-    # taken in at a restart that resumed the run (a fresh start would have moved it aside to elastic.1)
-    assert "resumed from" in printed[0] + printed[1] and not (tmp_path / "elastic.1").exists()
-    assert read_run(out)["world_size"] == 4  # finished by both machines
-    assert len(losses(out)) == STEPS  # every step once
+        kill_machine(first)
+        if second:
+            kill_machine(second)
+    # resumed twice, on 4 processes and then on 2 (a fresh start would have moved the run aside to elastic.1);
+    # the group of 4 logs from whichever machine holds its rank 0, the survivor from the first
+    printed = [log.read_text() for log in logs]
+    assert re.search(RESUMED.format(2, 4), printed[0] + printed[1]), printed[0][-3000:] + printed[1][-3000:]
+    assert re.search(RESUMED.format(4, 2), printed[0]), printed[0][-6000:]
+    assert read_run(out)["world_size"] == 2 and not (tmp_path / "elastic.1").exists()
+    assert len(losses(out)) == STEPS  # every step once (read_metrics fails on a step logged twice)
     assert max_abs_diff(losses(out), losses(reference)) <= 1e-4
 
 
@@ -156,6 +143,7 @@ def test_a_machine_that_comes_back_is_taken_in_at_the_next_restart(reference, tm
         ("run_ddp.sh", {"NPROC": "128"}, "NPROC=128: 128 CPU processes need"),  # more than memory holds
         ("run_fsdp.sh", {"NNODES": "2:1"}, "NNODES=2:1: MIN:MAX needs"),
         ("run_ddp.sh", {"NNODES": "1:2"}, "MASTER_ADDR is not set"),
+        ("run_fsdp.sh", {"NNODES": "1:2", "RDZV_KEEP_ALIVE_S": "0.5"}, "RDZV_KEEP_ALIVE_S=0.5 must be a whole number"),
         ("run_pippy.sh", {"NNODES": "1:2", "MASTER_ADDR": "127.0.0.1"}, "NNODES=1:2: elastic training is supported"),
     ],
 )
