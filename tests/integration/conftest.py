@@ -23,12 +23,13 @@ LAUNCH_TIMEOUT_S = 1200  # the 4-process launch trains 58 runs; a hung collectiv
 # The 1-process runs the distributed runs are compared with: plain training (train_ddp's training loop in a
 # world of one, no communication at all). `sgd_1thread` is `sgd` on one thread instead of two: a tolerance
 # means something only where the reference itself is stable at that tolerance. `pipeline` is the smaller
-# run the pipeline tests compare with, with a checkpoint after step 12 for a pipeline to resume.
+# run the pipeline tests compare with, with a checkpoint after step 12 for a pipeline to resume and an
+# evaluation after step 10 for the 10-step runs.
 REFERENCES = {
     "adamw": Run("ddp", PARITY, nproc=1),
     "sgd": Run("ddp", [*PARITY, *SGD, "--threads", "2"], nproc=1),
     "sgd_1thread": Run("ddp", [*PARITY, *SGD, "--threads", "1"], nproc=1),
-    "pipeline": Run("ddp", [*PP_PARITY, "--checkpoint-every", "12"], nproc=1),
+    "pipeline": Run("ddp", [*PP_PARITY, "--checkpoint-every", "12", "--eval-every", "10"], nproc=1),
 }
 
 

@@ -24,7 +24,11 @@ from tests.helpers import (
     start_runner,
 )
 
-STEPS = 20
+STEPS = 20  # PP_PARITY's
+# The schedule matrix runs the first 10 of them: after the 4 warm-up steps the rate is constant, so a 10-step
+# run is the 20-step run's prefix, and a schedule that orders its micro-batches or gradients wrongly is off
+# from the first step. The reference also evaluates after step 10, for the matrix to compare its evaluation.
+MATRIX_STEPS = 10
 # Every schedule the README lists as working, with the stages per rank it runs.
 STAGES_PER_RANK = {
     "gpipe": 1,
@@ -56,7 +60,8 @@ PART1 = ["--schedule", "interleaved-1f1b", "--stages-per-rank", "2", "--max-step
 # the --dp 2 runs, the first half of a run to resume, and a pipeline resuming the 1-process DDP run's
 # checkpoint (in a copy of that run as it stood after step 12)
 POOLED = {
-    **{name: Run("pippy", [*PP_PARITY, *flags]) for name, flags in {**MATRIX, **DP2, "part1": PART1}.items()},
+    **{name: Run("pippy", [*PP_PARITY, *flags, "--max-steps", str(MATRIX_STEPS)]) for name, flags in MATRIX.items()},
+    **{name: Run("pippy", [*PP_PARITY, *flags]) for name, flags in {**DP2, "part1": PART1}.items()},
     "from-ddp": Run("pippy", [*PP_PARITY, "--dp", "2", "--resume"], rewound_from=("references/pipeline", 12)),
 }
 
@@ -74,11 +79,13 @@ def pipelines(pool):
 
 
 def check_matches_reference(out, ref_out) -> None:
-    reference = losses(ref_out)
+    reference, run_losses = losses(ref_out), losses(out)
     assert len(reference) == STEPS and reference[-1] < 0.7 * reference[0], "the reference run should learn"
-    assert max_abs_diff(losses(out), reference) <= 1e-4
+    assert len(run_losses) in (MATRIX_STEPS, STEPS)
+    assert max_abs_diff(run_losses, reference[: len(run_losses)]) <= 1e-4
     # evaluation ran through the pipeline over all 256 test images: the same predictions as the reference
-    evaluation, (reference_eval,) = read_metrics(out)[1][-1], read_metrics(ref_out)[1]
+    evaluation = read_metrics(out)[1][-1]
+    (reference_eval,) = [e for e in read_metrics(ref_out)[1] if e["step"] == evaluation["step"] == len(run_losses)]
     assert round(evaluation["test_accuracy"] * 256) == round(reference_eval["test_accuracy"] * 256)
     assert evaluation["test_accuracy"] * 256 == pytest.approx(round(evaluation["test_accuracy"] * 256))
     assert evaluation["test_loss"] == pytest.approx(reference_eval["test_loss"], abs=1e-4)
@@ -122,7 +129,7 @@ def test_bubble_is_measured_per_rank_and_set_against_theory(pipelines):
         assert bubble["expected_from_stage_times"] > bubble["theory"]
         assert bubble["measured"] > bubble["theory"]
         lines = [json.loads(line) for line in (out / "bubble.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in lines] == list(range(1, STEPS + 1))
+        assert [r["step"] for r in lines] == list(range(1, MATRIX_STEPS + 1))
         assert all(len(r["busy_s"]) == len(r["idle_s"]) == 4 and min(r["busy_s"]) > 0 for r in lines)
     # more micro-batches, smaller bubble (in theory)
     theory = {name: read_run(pipelines / name)["pipeline"]["bubble"]["theory"] for name in MATRIX}
@@ -136,11 +143,11 @@ def test_a_sigkilled_worker_is_restarted_and_the_run_resumes_exactly(pipelines, 
     restarts the group, whose new workers resume by themselves (one rank holds no parameters: relu1 and
     pool) and continue exactly as the uninterrupted run, each step logged once."""
     out = tmp_path / "killed"
-    flags = [*PP_PARITY, "--schedule", "interleaved-1f1b", "--stages-per-rank", "2", "--checkpoint-every", "4"]
+    flags = [*PP_PARITY, *MATRIX["interleaved-1f1b-m4"], "--max-steps", str(MATRIX_STEPS), "--checkpoint-every", "4"]
     runner = start_runner("pippy", flags, out, NPROC="4", MAX_RESTARTS="1")
     _, output = kill_a_worker_when(runner, out, 4, lambda: last_logged_step(out) > 4)
     assert runner.returncode == 0, output[-4000:]
-    assert re.search(r"resumed from \S+ \(step (4|8|12|16)\)", output), output[-3000:]
+    assert re.search(r"resumed from \S+ \(step (4|8)\)", output), output[-3000:]
     assert max_abs_diff(losses(out), losses(pipelines / "interleaved-1f1b-m4")) <= 1e-6
     train, evals = read_metrics(out)
     assert all(
