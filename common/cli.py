@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import inspect
 import os
 import textwrap
@@ -14,8 +15,9 @@ from typing import Sequence
 from common.config import STRATEGIES, STRATEGY_FLAGS, Config, ConfigError
 
 
+@functools.cache  # parsing the source costs ~30 ms, and a process may build several parsers
 def _field_docs() -> dict[str, str]:
-    """The docstring written under each field of Config, read from this file's source."""
+    """The docstring written under each field of Config, read from common/config.py's source."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(Config)))
     body = tree.body[0].body
     docs = {}

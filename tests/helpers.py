@@ -190,20 +190,23 @@ def kill_a_worker_when(
     nproc: int,
     ready: Callable[[], bool],
     *,
-    poll_s: float = 0.002,
+    poll_s: float = 0.02,
     timeout_s: float = LAUNCH_TIMEOUT_S,
 ) -> tuple[int, str]:
-    """SIGKILL the highest-ranked of the `nproc` training workers of `runner` as soon as `ready()` holds;
-    then wait for the runner to end. Returns (the killed rank, everything the runner printed)."""
+    """SIGKILL the highest-ranked of the `nproc` training workers of `runner` as soon as `ready()` holds,
+    asked every `poll_s` (the poll takes CPU from the workers on a small machine: poll fast only to hit a
+    short window); then wait for the runner to end. Returns (the killed rank, everything the runner printed)."""
     deadline = time.monotonic() + timeout_s
     try:
         workers: dict[int, int] = {}
         while runner.poll() is None and time.monotonic() < deadline:
             if len(workers) < nproc:
-                workers = workers_writing_to(out)
+                workers = workers_writing_to(out)  # a scan of /proc: the workers take seconds to start anyway
+                time.sleep(0.05)
             elif ready():
                 break
-            time.sleep(poll_s)
+            else:
+                time.sleep(poll_s)
         else:
             raise AssertionError(
                 f"the run ended or timed out before it could be killed:\n{runner.communicate()[0][-3000:]}"

@@ -85,7 +85,7 @@ def killed(tmp_path_factory):
     def saving_after_step_15() -> bool:
         return any(int(p.name[len("step_") : -len(".tmp")]) > 15 for p in (out / "checkpoints").glob("step_*.tmp"))
 
-    rank, output = kill_a_worker_when(runner, out, 4, saving_after_step_15)
+    rank, output = kill_a_worker_when(runner, out, 4, saving_after_step_15, poll_s=0.002)  # a save takes ~0.1 s
     left = {
         "returncode": runner.returncode,
         "killed_rank": rank,

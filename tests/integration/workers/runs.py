@@ -7,10 +7,11 @@ RUNS.json maps an output folder to {"strategy", "flags", "rewind"} (strategy: dd
 null, or [a run folder, a step] to start from a copy of that folder as it stood after that step). Each run
 is the real `train_<strategy>.train` on the real process group (each builds its own model, device mesh,
 shards, stages and schedule); only the start-up of the processes -- Python, torch and the process group,
-which costs more than a short run -- is shared. That is what lets the tests compare every sharding mode and
-every pipeline schedule with one process within their time budget.
+which costs more than a short run -- and the built-in data set are shared. That is what lets the tests
+compare every sharding mode and every pipeline schedule with one process within their time budget.
 """
 
+import functools
 import importlib
 import json
 import sys
@@ -19,10 +20,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import common.data
 from common.cli import parse_config
 from common.distributed import setup_distributed, teardown_distributed
 from tests.helpers import rewind
 from tests.integration.workers.seeding import check_seeding
+
+# The built-in data set is a pure function of its arguments, and no run writes into it (to_device_batch
+# gathers copies): built once per process instead of once per run, it saves ~0.15 s of every run on every rank.
+common.data.make_digits = functools.cache(common.data.make_digits)
 
 
 def main() -> None:
