@@ -12,6 +12,7 @@ import pytest
 from tests.helpers import (
     PARITY,
     PARITY_STEPS,
+    PP_PARITY,
     ROOT,
     SGD,
     Run,
@@ -37,6 +38,8 @@ POOLED = {
     "sgd4": Run("ddp", [*PARITY, *SGD, "--checkpoint-every", "6", "--keep", "2", "--test-size", "2001"]),
     "ddp3_accum": Run("ddp", [*PARITY, "--grad-accum-steps", "2"], nproc=3),
     "seeding3": Run("seeding", nproc=3),
+    # the 1-process run's step-12 checkpoint resumed on 4 ranks (in a copy of that run as it stood then)
+    "from1": Run("ddp", [*PP_PARITY, "--resume"], rewound_from=("references/pipeline", 12)),
 }
 
 
@@ -97,6 +100,14 @@ def test_runner_two_ranks_match_and_write_the_metrics_contract(runs):
         assert m["param_bytes"] == m["grad_bytes"] > 4 * 1_200_000
         assert m["optim_bytes"] >= 2 * m["param_bytes"]
         assert m["cuda_peak_bytes"] is None
+
+
+def test_a_one_process_checkpoint_resumes_on_four_ranks(runs):
+    # DDP's state is the whole model and optimizer on every rank: a checkpoint loads at any world size, and
+    # the same global batches continue the curve
+    train, _ = read_metrics(runs["from1"])
+    assert sorted(train) == list(range(1, 21)) and read_run(runs["from1"])["world_size"] == 4
+    assert max_abs_diff(losses(runs["from1"]), losses(runs["pipeline"])) <= 1e-4
 
 
 def test_evaluation_covers_the_whole_test_set_the_same_way_at_any_world_size(runs):

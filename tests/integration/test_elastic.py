@@ -108,8 +108,11 @@ def kill_machine(agent: subprocess.Popen) -> None:
 RESUMED = r"resuming \S+ at step \d+ with {} -> {} processes"
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_machine_joins_then_dies_and_the_curve_goes_on(strategy, reference, tmp_path):
+def test_a_machine_joins_then_dies_and_the_curve_goes_on(reference, tmp_path):
+    """With FSDP, whose checkpoints are resharded at each change of world size (2 -> 4 -> 2 ranks). DDP takes
+    the same runner, rendezvous, restarts and resume; that its checkpoint resumes at another world size is
+    checked in test_ddp.py, without the ~30 s this story costs."""
+    strategy = "fsdp"
     out, port, logs = tmp_path / "elastic", free_port(), (tmp_path / "first.log", tmp_path / "second.log")
     first = start_agent(strategy, out, port, logs[0])  # alone, on 2 processes
     second = None
