@@ -18,7 +18,7 @@ import pytest
 from tests.helpers import PARITY, PP_PARITY, SGD, Run, run_many
 
 LAUNCH_ORDER = (1, 4, 3, 2)
-LAUNCH_TIMEOUT_S = 1200  # the 4-process launch trains 58 runs; a hung collective fails after 120 s anyway
+LAUNCH_TIMEOUT_S = 1200  # the 4-process launch trains 49 runs; a hung collective fails after 120 s anyway
 
 # The 1-process runs the distributed runs are compared with: plain training (train_ddp's training loop in a
 # world of one, no communication at all). `sgd_1thread` is `sgd` on one thread instead of two: a tolerance

@@ -112,19 +112,19 @@ def test_a_machine_joins_then_dies_and_the_curve_goes_on(reference, tmp_path):
     """With FSDP, whose checkpoints are resharded at each change of world size (2 -> 4 -> 2 ranks). DDP takes
     the same runner, rendezvous, restarts and resume; that its checkpoint resumes at another world size is
     checked in test_ddp.py, without the ~30 s this story costs."""
-    strategy = "fsdp"
     out, port, logs = tmp_path / "elastic", free_port(), (tmp_path / "first.log", tmp_path / "second.log")
-    first = start_agent(strategy, out, port, logs[0])  # alone, on 2 processes
+    first = start_agent("fsdp", out, port, logs[0])  # alone, on 2 processes
     second = None
     try:
         wait_for(lambda: last_logged_step(out) > 10, first, logs[0])  # past the step-10 checkpoint
         # the second machine comes: the first agent sees it waiting and restarts its workers, and the group of
         # 4 resumes from the latest checkpoint; it dies once that group has written a checkpoint of its own
-        second = start_agent(strategy, out, port, logs[1])
+        second = start_agent("fsdp", out, port, logs[1])
         wait_for(lambda: trained_past_a_checkpoint_of(out, world_size=4), first, logs[0])
         kill_machine(second)
         killed_at = time.monotonic()
-        first.wait(timeout=150)  # the survivor resumes alone and finishes
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            first.wait(timeout=150)  # the survivor resumes alone and finishes
         assert first.returncode == 0 and time.monotonic() - killed_at < 150, logs[0].read_text()[-4000:]
     finally:
         kill_machine(first)
