@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -73,6 +74,13 @@ def launch(script: str, nproc: int, args: list[str], out: Path, **kw) -> subproc
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), script]
     return run_command([*cmd, *args, "--out", str(out)], **kw)
+
+
+def free_port() -> int:
+    """A port nothing listens on now, for a rendezvous at MASTER_PORT (--standalone picks its own)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def read_metrics(out: Path) -> tuple[dict[int, dict], list[dict]]:

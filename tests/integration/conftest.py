@@ -1,11 +1,12 @@
 """The shared launches: every training the collected test modules compare, in one launch per process count.
 
 A test module lists its trainings in a module-level `POOLED` ({name: Run}); the session's `pool` fixture runs
-the `POOLED` runs of every module pytest collected, plus the 1-process references, in at most four launches of
-tests/integration/workers/runs.py (1, 4, 3, then 2 processes: a run may start from a copy of one in an earlier
-launch, or earlier in its own). Starting Python and torch in four processes costs more than a 30-step run of
-BabyCNN, so one launch instead of one per module saves minutes; `pytest tests/integration/test_fsdp.py` still
-runs only what that file needs. A module finds its runs under `pool / "<module without test_>" / name`.
+the `POOLED` runs of every module pytest collected, plus the 1-process references, in one launch of
+tests/integration/workers/runs.py per process count (1 process first, then the most: a run may start from a
+copy of one in an earlier launch, or earlier in its own). Starting Python and torch in four processes costs
+more than a 30-step run of BabyCNN, so one launch instead of one per module saves minutes;
+`pytest tests/integration/test_fsdp.py` still runs only what that file needs. A module finds its runs under
+`pool / "<module without test_>" / name`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import pytest
 
 from tests.helpers import PARITY, PP_PARITY, SGD, Run, run_many
 
-LAUNCH_ORDER = (1, 4, 3, 2)
 LAUNCH_TIMEOUT_S = 1200  # the 4-process launch trains 49 runs; a hung collective fails after 120 s anyway
 
 # The 1-process runs the distributed runs are compared with: plain training (train_ddp's training loop in a
@@ -51,7 +51,8 @@ def pool(request, tmp_path_factory) -> Pool:
     root = tmp_path_factory.mktemp("pool")
     done: set[str] = set()
     printed = []
-    for nproc in LAUNCH_ORDER:
+    # the 1-process references first (other runs resume their checkpoints), then the largest worlds
+    for nproc in sorted({run.nproc for run in runs.values()}, key=lambda n: (n != 1, -n)):
         group = {name: run for name, run in runs.items() if run.nproc == nproc}
         for name, run in group.items():
             source = run.rewound_from

@@ -17,6 +17,7 @@ from tests.helpers import (
     SGD,
     Run,
     env_for_tests,
+    free_port,
     kill_a_worker_when,
     last_logged_step,
     launch,
@@ -250,13 +251,9 @@ def test_resume_refuses_when_every_checkpoint_is_damaged(runs, tmp_path):
 # --------------------------------------------------------------------------------------------- several machines
 def test_two_torchrun_agents_reproduce_the_single_agent_curve(runs, tmp_path):
     """NNODES=2: two runners, 2 processes each, meeting through the c10d rendezvous as two machines would."""
-    import socket
     import subprocess
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**env_for_tests(), "NNODES": "2", "NPROC": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env = {**env_for_tests(), "NNODES": "2", "NPROC": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     cmd = ["bash", "run_ddp.sh", *PARITY, "--max-steps", "12", "--out", str(tmp_path / "out")]
     agents = [
         subprocess.Popen(

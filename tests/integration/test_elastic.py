@@ -7,7 +7,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -15,7 +14,18 @@ from pathlib import Path
 import pytest
 
 from common.runs import latest_meta
-from tests.helpers import ROOT, SMALL, Run, env_for_tests, last_logged_step, losses, max_abs_diff, read_run, run_command
+from tests.helpers import (
+    ROOT,
+    SMALL,
+    Run,
+    env_for_tests,
+    free_port,
+    last_logged_step,
+    losses,
+    max_abs_diff,
+    read_run,
+    run_command,
+)
 
 # 60 steps of a global batch of 96 (48 per rank on 2 ranks, 24 on 4), a checkpoint every 10. The second
 # machine is started after step 11 and takes a few seconds to join, so the first machine alone is well short
@@ -46,12 +56,6 @@ POOLED = {"reference": Run("ddp", ELASTIC, nproc=1)}
 @pytest.fixture(scope="module")
 def reference(pool):
     return pool / "elastic" / "reference"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def descendants(pid: int) -> list[int]:
