@@ -10,7 +10,6 @@ are marked `# [FSDP]`.
 """
 
 import os
-import time
 
 import torch
 import torch.nn.functional as F
@@ -19,39 +18,30 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from common.checkpoint import load_checkpoint, resume_point, save_checkpoint
+from common.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint, set_aside_previous_run
 from common.cli import parse_config
 from common.clipping import clip_grad_norm
 from common.compiling import compile_modules
-from common.data import GlobalBatchSampler, load_dataset, to_device_batch
-from common.distributed import RankLogger, run, seed_everything, setup_distributed, teardown_distributed
-from common.metrics import MetricsWriter, measure_memory, write_run_json
+from common.config import Config
+from common.data import GlobalBatchSampler, describe_data, load_dataset, to_device_batch
+from common.distributed import DistEnv, RankLogger, run, seed_everything, setup_distributed, teardown_distributed
 from common.model import blocks, build_model
-from common.profiling import StepProfiler
+from common.recorder import RunRecorder, state_bytes_theory
 from common.runs import already_done, total_steps
-from common.training import (
-    build_optimizer,
-    check_finite,
-    describe_run,
-    evaluate,
-    gather_memory,
-    global_mean,
-    lr_at,
-    set_lr,
-)
+from common.training import build_optimizer, evaluate, global_mean, lr_at, set_lr
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config("fsdp", argv)
     env = setup_distributed(device=cfg.device, timeout_s=cfg.timeout_s, threads=cfg.threads)
     try:
-        cfg.check(world_size=env.world_size)
+        cfg.check(world_size=env.world_size, device_type=env.device.type)
         train(cfg, env)
     finally:
         teardown_distributed()
 
 
-def train(cfg, env) -> None:
+def train(cfg: Config, env: DistEnv) -> None:
     log = RankLogger(env.is_main)
     log(f"FSDP {cfg.sharding} | {env.world_size} ranks on {env.device.type}/{env.backend} | torch {torch.__version__}")
 
@@ -66,16 +56,8 @@ def train(cfg, env) -> None:
     )
     sampler = GlobalBatchSampler(len(data.train), cfg.batch_size, seed=cfg.seed)
     steps = total_steps(cfg, sampler.steps_per_epoch)
-    micro_batch_size = cfg.batch_size // env.world_size // cfg.grad_accum_steps
-    log(
-        f"{cfg.dataset}: {len(data.train)} train / {len(data.test)} test images | global batch {cfg.batch_size} "
-        f"= {env.world_size} ranks x {cfg.grad_accum_steps} accumulation steps x {micro_batch_size} | {steps} steps"
-    )
-    if sampler.left_out_per_epoch:
-        log(
-            f"note: {sampler.left_out_per_epoch} samples per epoch do not fill a global batch and sit out "
-            f"that epoch (different ones each epoch)"
-        )
+    chunk_size = cfg.chunk_size(env.world_size)  # what this rank runs per accumulation step
+    log(describe_data(data, sampler, split=cfg.batch_split(env.world_size), steps=steps))
 
     # ---- model: the same initial weights on every rank, because they depend on the seed alone
     # [FSDP] Built whole on the CPU, then sharded (fully_shard moves each shard to the device): DDP's initial
@@ -130,102 +112,69 @@ def train(cfg, env) -> None:
     optimizer = build_optimizer(model.parameters(), cfg)  # [FSDP] after sharding: it steps the local shards
 
     start_step = 0
-    if path := resume_point(cfg, log=log):  # (a new run moves a previous one in --out aside instead)
+    if path := checkpoint_to_resume(cfg, log=log):
         start_step = load_checkpoint(path, model=model, optimizers=[optimizer])
         log(f"resumed from {path} (step {start_step})")
+    else:
+        set_aside_previous_run(cfg)  # a new run: a previous one in --out moves to <out>.N, never overwritten
     if start_step >= steps:  # a finished run: nothing to train, nothing to rewrite
         log(already_done(cfg.out, start_step, steps))
         return
-    metrics = MetricsWriter(
-        cfg.out,
-        enabled=env.is_main,
-        total_steps=steps,
-        log_every=cfg.log_every,
-        start_step=start_step,
-        tensorboard=cfg.tensorboard,
-    )
+    # metrics.jsonl, the console, --tensorboard, --profile-steps, memory, run.json: all in the recorder
+    recorder = RunRecorder(cfg, env, start_step=start_step, total_steps=steps, logs=env.is_main)
 
     def run_eval(step: int) -> None:
         model.eval()  # (dropout off)
-        test_loss, test_accuracy = evaluate(
-            model, data.test, data, rank=env.rank, world_size=env.world_size, device=env.device
-        )
+        test = evaluate(lambda x, _: model(x), data, part=env.rank, parts=env.world_size, device=env.device)
+        recorder.eval(step, *test)
         model.train()
-        metrics.eval(step, test_loss=test_loss, test_accuracy=test_accuracy)
-
-    # --profile-steps: torch.profiler and named spans over those steps only; without it, no-ops
-    profiler = StepProfiler(
-        cfg.profile_steps, out_dir=cfg.out, rank=env.rank, device=env.device, memory=cfg.memory_snapshot
-    )
 
     # ---- training loop
     model.train()
-    for step in range(start_step + 1, steps + 1):
-        started = time.perf_counter()
-        profiler.step_start(step)
+    for step in recorder.steps():
         lr = lr_at(step, cfg, last_step=steps)
         set_lr(optimizer, lr)
         optimizer.zero_grad(set_to_none=True)
-        with profiler.span("data"):
+        with recorder.span("data"):
             indices = sampler.rank_batch(step, env.rank, env.world_size)  # this rank's slice of the global batch
             images, labels = to_device_batch(data.train, indices, data, env.device)
         loss_sum = torch.zeros((), device=env.device)
-        for i, (x, y) in enumerate(zip(images.split(micro_batch_size), labels.split(micro_batch_size))):
-            # On all but the last micro-step, skip the gradient reduction: gradients accumulate locally
+        for i, (x, y) in enumerate(zip(images.split(chunk_size), labels.split(chunk_size))):
+            # On all but the last accumulation step, skip the gradient reduction: gradients accumulate locally
             # and only the last backward reduces their sum, once.
             is_last = i == cfg.grad_accum_steps - 1
-            model.set_requires_gradient_sync(is_last)  # [FSDP] no reduce-scatter until the last micro-step
-            with profiler.span("forward"):  # [FSDP] each unit's all-gather shows inside it: "FSDP::all_gather"
+            model.set_requires_gradient_sync(is_last)  # [FSDP] no reduce-scatter until the last accumulation step
+            with recorder.span("forward"):  # [FSDP] each unit's all-gather shows inside it: "FSDP::all_gather"
                 # divided by the accumulation steps, the summed gradients are those of the chunk mean
                 loss = F.cross_entropy(model(x), y) / cfg.grad_accum_steps
-            with profiler.span("backward"):  # [FSDP] the reduce-scatter shows as "FSDP::post_backward_reduce"
+            with recorder.span("backward"):  # [FSDP] the reduce-scatter shows as "FSDP::post_backward_reduce"
                 loss.backward()
             loss_sum += loss.detach()
         # [FSDP] Clip once per step, after the last backward, by the norm of the whole gradient: each rank
         # holds a shard of it, so the sums of squares are added over the "shard" dim of the mesh (hybrid's
         # "replicate" rows hold the same shards again; none's shard rows are one rank each).
         grad_norm = clip_grad_norm(model.parameters(), cfg.max_grad_norm, groups=[mesh.get_group("shard")])
-        with profiler.span("optimizer"):
+        with recorder.span("optimizer"):
             optimizer.step()
-
         # loss_sum is this rank's mean loss; the mean over ranks is the mean over the whole global batch
-        loss_value = global_mean(loss_sum)
-        check_finite(loss_value, step)
-        profiler.step_end(step)
-        metrics.train(
-            step,
-            loss=loss_value,
-            lr=lr,
-            grad_norm=grad_norm,
-            samples=cfg.batch_size,
-            step_time_s=time.perf_counter() - started,
-        )
+        recorder.train(step, loss=global_mean(loss_sum), lr=lr, grad_norm=grad_norm)
         if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
             run_eval(step)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
             save_checkpoint(cfg, step, model=model, optimizers=[optimizer], steps_per_epoch=sampler.steps_per_epoch)
 
-    memory = gather_memory(measure_memory(model.parameters(), optimizer, env.device), env.rank)
-    # [FSDP] The theory next to the measurement: per parameter 4 + 4 bytes (fp32 weight, gradient) and the
-    # optimizer state (AdamW 8, SGD 4), divided by the ranks sharing it (what is not counted: docs/fsdp.md).
-    n_params, shards = sum(p.numel() for p in model.parameters()), mesh["shard"].size()
-    per_param = {"param_bytes": 4, "grad_bytes": 4, "optim_bytes": 8 if cfg.optimizer == "adamw" else 4}
-    theory = {"parameters": n_params, "shards": shards, **{k: v * n_params / shards for k, v in per_param.items()}}
-    profile = profiler.report()
     run_eval(steps)
     # [FSDP] A plain model.pt for inference without a process group: every rank helps gather, rank 0 writes.
     full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if env.is_main:
         torch.save(full_state, os.path.join(cfg.out, "model.pt.tmp"))
         os.replace(os.path.join(cfg.out, "model.pt.tmp"), os.path.join(cfg.out, "model.pt"))  # never half a file
-        final = metrics.final()
-        run_info = describe_run(cfg, env, mesh=dict(zip(mesh.mesh_dim_names, mesh.shape)), profile=profile)
-        write_run_json(cfg.out, **run_info, final=final, memory={"per_rank": memory, "theory": theory})
-        log(
-            f"done: test accuracy {100 * final['test_accuracy']:.2f}% | {final['samples_per_s']:.0f} samples/s | "
-            f"{final['wall_time_s']:.1f} s | {cfg.out}/metrics.jsonl, {cfg.out}/run.json, {cfg.out}/model.pt"
-        )
-    metrics.close()
+    # [FSDP] The theory next to the measurement: the textbook's bytes per parameter, divided by the shards.
+    theory = state_bytes_theory(
+        sum(p.numel() for p in model.parameters()), shards=mesh["shard"].size(), optimizer=cfg.optimizer
+    )
+    mesh_shape = dict(zip(mesh.mesh_dim_names, mesh.shape))
+    recorder.finish(model.parameters(), optimizer, memory_theory=theory, files=["model.pt"], mesh=mesh_shape)
 
 
 if __name__ == "__main__":

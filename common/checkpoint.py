@@ -1,21 +1,12 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP), the same format for every strategy.
+"""Checkpoints with torch.distributed.checkpoint (DCP), the same format for every strategy: docs/checkpoints.md.
 
-Layout under `<out>/checkpoints/`:
-    step_0000015/            one complete checkpoint, written after optimizer step 15
-        .metadata, *.distcp  DCP: model and optimizer state, each rank writing only what it holds
-        rng_rank<r>.pt       each rank's RNG state (dropout masks continue exactly after a resume)
-        meta.json            step, world size, strategy, and the size and SHA-256 of every file above:
-                             written last, before the rename that commits
-    step_0000030.tmp/        a save in progress (or one a crash interrupted): never loaded
-
-A checkpoint becomes visible only by the atomic rename of its `.tmp` folder, after every rank finished
-writing, so a crash during a save never leaves a "latest" that cannot be loaded; a file damaged later
-(truncated, corrupted) fails verification on load, and the previous checkpoint is used instead, loudly.
-Keys are the model's own parameter names (`conv1.weight`, ...) through `get_state_dict`, which strips
-DDP's `module.` prefix and gathers nothing for FSDP: DCP reshards at load time, so a checkpoint saved on
-4 ranks loads on 2 or 1, and one strategy's checkpoint can be loaded by another. The sampler needs no
-state: step s fixes the data. Loading reads tensors through DCP and RNG states with weights_only=True:
-nothing is unpickled that could run code.
+`<out>/checkpoints/step_0000015/` holds DCP's files (model and optimizer state, each rank writing what it holds),
+each rank's RNG state and, written last, meta.json (step, world size, config, and the size and SHA-256 of every
+file). A save goes to `step_0000015.tmp/` and becomes visible only by an atomic rename once every rank has
+written, so a crash never leaves a "latest" that cannot be loaded; a file damaged later fails verification, and
+the previous checkpoint is used instead, loudly. Keys are the model's own parameter names (`conv1.weight`), so
+DCP reshards at load time and one strategy's checkpoint loads into another. Tensors load through DCP and RNG
+states with weights_only=True: nothing is unpickled that could run code.
 """
 
 from __future__ import annotations
@@ -157,28 +148,32 @@ def latest_checkpoint(out_dir: str, *, log: Callable[[str], None] = print) -> st
 
 
 def _restarted() -> bool:
-    """torchrun restarted the group after a failure (then resuming is the only sane choice)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-
-
-def resume_point(cfg: Config, *, log: Callable[[str], None] = print) -> str | None:
-    """Every rank calls this before anything is written to cfg.out. Returns the checkpoint to resume from,
-    or None for a fresh start. A resume that would change the curve raises ConfigError (on every rank); a
-    fresh start moves a previous run in cfg.out aside first (rank 0, then all wait), so nothing is lost."""
-    # torchrun restarts (a failure, or a machine joining) count on every rank, also on a machine whose agent
-    # just (re)started: the group either resumes together or starts afresh together.
-    restarted = torch.tensor([int(_restarted())], device=collective_device())
+    """Whether torchrun restarted the group (a failure, or a machine joining), asked of every rank: also a rank
+    on a machine whose agent just (re)started counts, so the group resumes, or starts afresh, together."""
+    restarted = torch.tensor([int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0], device=collective_device())
     dist.all_reduce(restarted, op=dist.ReduceOp.MAX)
-    if (cfg.resume or restarted.item()) and (path := latest_checkpoint(cfg.out, log=log)):
-        with open(os.path.join(path, "meta.json")) as f:
-            note = check_resume(cfg, json.load(f), world_size=dist.get_world_size())
-        if note:
-            log(note)
-        return path
-    if not restarted.item() and dist.get_rank() == 0 and (moved := set_aside(cfg.out)):
+    return bool(restarted.item())
+
+
+def checkpoint_to_resume(cfg: Config, *, log: Callable[[str], None] = print) -> str | None:
+    """The checkpoint this run continues from (every rank calls this): with --resume, or after a torchrun
+    restart, the latest sound one in cfg.out; None for a new run. A resume that would change the curve raises
+    ConfigError on every rank."""
+    if not (cfg.resume or _restarted()) or not (path := latest_checkpoint(cfg.out, log=log)):
+        return None
+    with open(os.path.join(path, "meta.json")) as f:
+        note = check_resume(cfg, json.load(f), world_size=dist.get_world_size())
+    if note:
+        log(note)
+    return path
+
+
+def set_aside_previous_run(cfg: Config) -> None:
+    """Before a new run writes to cfg.out (every rank calls this): rank 0 moves a previous run there to the first
+    free cfg.out.N, so nothing of it is lost or mixed. Not after a torchrun restart, whose run is this one."""
+    if not _restarted() and dist.get_rank() == 0 and (moved := set_aside(cfg.out)):
         print(moved_line(cfg.out, moved), flush=True)  # rank 0's own act (a pipeline logs from its last stage)
     dist.barrier()
-    return None
 
 
 def load_checkpoint(path: str, *, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> int:

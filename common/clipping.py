@@ -18,12 +18,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from common.distributed import collective_device
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The part of a (possibly DTensor) gradient this rank holds; in-place changes to it change the gradient."""
-    return t.to_local() if hasattr(t, "to_local") else t
+from common.distributed import collective_device, local_part
 
 
 @torch.no_grad()
@@ -33,7 +28,7 @@ def clip_grad_norm(
     """Scale the gradients of `params` so that their global L2 norm is at most `max_norm` (0: measure only),
     and return the norm before clipping. `groups`: the process groups whose ranks hold different gradients.
     Every rank of those groups must call this, also one that holds no gradients."""
-    grads = [_local(p.grad) for p in params if p.grad is not None]
+    grads = [local_part(p.grad) for p in params if p.grad is not None]
     device = collective_device() if dist.is_initialized() else torch.device("cpu")
     sum_sq = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:  # fp32 accumulation whatever the gradients' dtype (bf16 gradients lose digits in a sum)

@@ -1,10 +1,9 @@
 """--compile: torch.compile on each module a strategy runs as a whole, after a check that it can.
 
-Each script says *which* modules (the strategy decides); this module holds what is the same everywhere:
-`nn.Module.compile()` (in place, so parameter names and checkpoints stay those of the eager model) and
-the check that inductor has a compiler for the device, which it would otherwise report only at the first
-forward, from deep inside inductor, on every rank at once. It imports torch only to compile, so
-common/preflight.py can run the check before torchrun starts any worker.
+Each script says *which* modules (the strategy decides; a pipeline's stages: common/pipeline.py); this module
+holds `nn.Module.compile()` (in place, so parameter names and checkpoints stay those of the eager model) and the
+check that inductor has a compiler for the device, which it would otherwise report only at the first forward,
+from deep inside inductor, on every rank at once. No torch import, so the preflight runs the check too.
 """
 
 from __future__ import annotations
@@ -36,31 +35,3 @@ def compile_modules(modules: list[torch.nn.Module], device: torch.device) -> Non
     require_compiler(device.type)
     for module in modules:
         module.compile()
-
-
-def compile_stages(modules: list[torch.nn.Module], device: torch.device) -> None:
-    """Compile each pipeline stage's forward, with the gradients it returns for its inputs made contiguous.
-
-    A stage's input gradients are sent to the previous stage into a buffer laid out like the first one;
-    inductor may return them in another layout (a strided view), which gloo refuses to send or receive.
-    The pre-hook that fixes the layout runs eagerly, outside the graph, so only `forward` is compiled.
-    """
-    import torch
-
-    require_compiler(device.type)
-
-    class ContiguousGrad(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-            return grad.contiguous()
-
-    def contiguous_input_grads(module: torch.nn.Module, args: tuple) -> tuple:
-        return tuple(ContiguousGrad.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
-
-    for module in modules:
-        module.register_forward_pre_hook(contiguous_input_grads)
-        module.forward = torch.compile(module.forward)

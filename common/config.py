@@ -26,10 +26,17 @@ SHARDINGS = ("full", "grad-op", "hybrid", "none")
 SHARD_UNITS = ("model", "blocks")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
-SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # exactly one stage per rank
-V_SCHEDULES = ("zbv", "dualpipev")  # exactly two stages per rank, placed in a V
-PIPELINE_MAX_STAGES = 8  # BabyCNN can be cut into 1..8 stages (common/model.py MAX_STAGES; a test keeps them equal)
 STRATEGIES = ("ddp", "fsdp", "pippy")
+CHOICES = {  # flag -> (what it names, its values)
+    "dataset": ("data set", DATASETS),
+    "optimizer": ("optimizer", OPTIMIZERS),
+    "precision": ("precision", PRECISIONS),
+    "device": ("device", DEVICES),
+    "sharding": ("mode", SHARDINGS),
+    "shard_units": ("unit", SHARD_UNITS),
+    "schedule": ("schedule", SCHEDULES),
+    "lr_schedule": ("schedule", LR_SCHEDULES),
+}
 
 
 class ConfigError(UserError, ValueError):
@@ -134,36 +141,21 @@ class Config:
     strategy: str = dataclasses.field(default="ddp", metadata={"cli": False})
 
     # ------------------------------------------------------------------ checks
-    def check(self, *, world_size: int | None = None) -> "Config":
-        """Raise ConfigError for the first bad value; `world_size` adds the checks that depend on it."""
+    def check(self, *, world_size: int | None = None, device_type: str | None = None) -> "Config":
+        """Raise ConfigError for the first bad value; `world_size` adds the checks that depend on it, and
+        `device_type` (a worker knows it: "cpu" or "cuda") replaces the guess of `runs_on_cpu`."""
 
         def need(ok: bool, flag: str, problem: str) -> None:
             if not ok:
                 raise ConfigError(f"--{flag}: {problem}")
 
-        need(
-            self.dataset in DATASETS,
-            "dataset",
-            f"unknown data set {self.dataset!r}; choose one of {', '.join(DATASETS)}",
-        )
-        need(self.optimizer in OPTIMIZERS, "optimizer", f"unknown optimizer {self.optimizer!r}; choose sgd or adamw")
-        need(self.precision in PRECISIONS, "precision", f"unknown precision {self.precision!r}; choose fp32 or bf16")
-        need(self.device in DEVICES, "device", f"unknown device {self.device!r}; choose auto, cpu or cuda")
-        need(
-            self.sharding in SHARDINGS,
-            "sharding",
-            f"unknown mode {self.sharding!r}; choose one of {', '.join(SHARDINGS)}",
-        )
-        need(
-            self.shard_units in SHARD_UNITS,
-            "shard-units",
-            f"unknown unit {self.shard_units!r}; choose one of {', '.join(SHARD_UNITS)}",
-        )
-        need(
-            self.schedule in SCHEDULES,
-            "schedule",
-            f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}",
-        )
+        for name, (what, choices) in CHOICES.items():
+            value = getattr(self, name)
+            need(
+                value in choices,
+                name.replace("_", "-"),
+                f"unknown {what} {value!r}; choose one of {', '.join(choices)}",
+            )
         need(self.train_size >= 1, "train-size", f"must be at least 1, got {self.train_size}")
         need(self.test_size >= 1, "test-size", f"must be at least 1, got {self.test_size}")
         need(self.epochs >= 1, "epochs", f"must be at least 1, got {self.epochs}")
@@ -176,11 +168,6 @@ class Config:
             f"must be a positive number, got {self.lr}",
         )
         need(0 <= self.weight_decay < float("inf"), "weight-decay", f"must be 0 or positive, got {self.weight_decay}")
-        need(
-            self.lr_schedule in LR_SCHEDULES,
-            "lr-schedule",
-            f"unknown schedule {self.lr_schedule!r}; choose one of {', '.join(LR_SCHEDULES)}",
-        )
         need(0 <= self.min_lr <= self.lr, "min-lr", f"must be in [0, --lr {self.lr}], got {self.min_lr}")
         need(
             0 <= self.max_grad_norm < float("inf"),
@@ -196,7 +183,7 @@ class Config:
             "checkpoint-every",
             f"must be 0 (never) or positive, got {self.checkpoint_every}",
         )
-        self.check_observability()
+        self.check_observability(on_cpu=self.runs_on_cpu if device_type is None else device_type == "cpu")
         need(self.keep >= 0, "keep", f"must be 0 (keep all) or positive, got {self.keep}")
         need(self.threads >= 0, "threads", f"must be 0 (automatic) or positive, got {self.threads}")
         need(self.timeout_s >= 1, "timeout-s", f"must be at least 1 second, got {self.timeout_s}")
@@ -225,12 +212,12 @@ class Config:
         workers ask torch.cuda again)."""
         return self.device == "cpu" or (self.device == "auto" and not glob.glob("/dev/nvidia[0-9]*"))
 
-    def check_observability(self) -> None:
+    def check_observability(self, *, on_cpu: bool) -> None:
         a, _, b = self.profile_steps.partition(":")
         ok = not self.profile_steps or (a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b))
         if not ok:
             raise ConfigError(f"--profile-steps: expected A:B with 1 <= A <= B (e.g. 3:5), got {self.profile_steps!r}")
-        if self.memory_snapshot and self.runs_on_cpu:
+        if self.memory_snapshot and on_cpu:
             raise ConfigError(
                 "--memory-snapshot: needs CUDA (it records the CUDA allocator); this run is on CPU: drop the flag"
             )
@@ -242,77 +229,23 @@ class Config:
     def check_world_size(self, world_size: int) -> None:
         """The checks that need the number of processes: every rank must get an equal share of a batch."""
         replicas = self.data_parallel_size(world_size)
-        chunk = self.batch_size // self.grad_accum_steps
-        if self.strategy == "pippy":
-            if world_size % self.dp:
-                raise ConfigError(
-                    f"--dp: {self.dp} does not divide the world size {world_size}; "
-                    f"use a --dp that divides the number of processes"
-                )
-        if chunk % replicas:
+        if self.strategy == "pippy" and world_size % self.dp:
+            raise ConfigError(
+                f"--dp: {self.dp} does not divide the world size {world_size}; "
+                f"use a --dp that divides the number of processes"
+            )
+        if (self.batch_size // self.grad_accum_steps) % replicas:
             what = "data-parallel replicas (--dp)" if self.strategy == "pippy" else "processes"
             raise ConfigError(
                 f"--batch-size: the global batch {self.batch_size} (/ --grad-accum-steps {self.grad_accum_steps}) "
                 f"does not split evenly over {replicas} {what}; use a multiple of {replicas * self.grad_accum_steps}"
             )
         if self.strategy == "pippy":
-            self.check_pipeline(world_size // self.dp, chunk // replicas)
+            from common.pipeline_layout import PipelineLayout  # pipeline-only: DDP and FSDP never load it
+
+            PipelineLayout.of(self, world_size).check(chunk_size=self.chunk_size(world_size), compile=self.compile)
         if self.strategy == "fsdp" and self.sharding == "hybrid" and (world_size < 2 or world_size % 2):
             raise ConfigError(f"--sharding: hybrid needs an even world size (2 replicas x shards), got {world_size}")
-
-    def check_pipeline(self, pp_size: int, replica_batch: int) -> None:
-        """The pipeline's own checks, for `pp_size` ranks per pipeline and `replica_batch` samples per
-        schedule step. They mirror what torch.distributed.pipelining (or BabyCNN) would reject later --
-        often only after the other ranks have started to wait for a message that never comes."""
-        m, v = self.n_microbatches, self.stages_per_rank
-        if self.schedule in SINGLE_STAGE_SCHEDULES and v != 1:
-            raise ConfigError(
-                f"--stages-per-rank: {self.schedule} runs exactly 1 stage per rank, got {v}; "
-                f"use interleaved-1f1b, looped-bfs or interleaved-zb for more"
-            )
-        if self.schedule in V_SCHEDULES and v != 2:
-            raise ConfigError(
-                f"--stages-per-rank: {self.schedule} places exactly 2 stages on each rank (in a V); "
-                f"pass --stages-per-rank 2"
-            )
-        if self.schedule not in SINGLE_STAGE_SCHEDULES + V_SCHEDULES and v < 2:
-            raise ConfigError(
-                f"--stages-per-rank: {self.schedule} is a schedule for 2 or more stages per rank, "
-                f"got {v}; use gpipe or 1f1b for one"
-            )
-        if self.compile and self.schedule in ("interleaved-zb", "zbv", "dualpipev"):
-            raise ConfigError(
-                f"--compile: {self.schedule} splits each stage's backward into input- and weight-gradient passes, "
-                f"which a compiled stage (one fused backward graph) cannot run; use 1f1b, gpipe, interleaved-1f1b "
-                f"or looped-bfs, or drop --compile"
-            )
-        n_stages = pp_size * v
-        if n_stages > PIPELINE_MAX_STAGES:
-            raise ConfigError(
-                f"--stages-per-rank: {pp_size} pipeline ranks x {v} stages per rank = {n_stages} stages, "
-                f"but BabyCNN can be cut into at most {PIPELINE_MAX_STAGES}; use fewer stages per rank, "
-                f"a larger --dp or fewer processes"
-            )
-        if replica_batch % m:
-            raise ConfigError(
-                f"--n-microbatches: {m} does not divide each replica's batch of {replica_batch} samples "
-                f"(--batch-size / --dp / --grad-accum-steps); micro-batches must all have one size"
-            )
-        if self.schedule == "1f1b" and m < n_stages:
-            raise ConfigError(
-                f"--n-microbatches: 1f1b needs at least as many micro-batches as stages ({n_stages}), got {m}"
-            )
-        if self.schedule == "dualpipev" and m < n_stages:
-            raise ConfigError(
-                f"--n-microbatches: dualpipev needs at least as many micro-batches as stages "
-                f"({n_stages} = 2 x {pp_size} ranks), got {m}"
-            )
-        rounds = max(1, m // pp_size)
-        if self.schedule in ("interleaved-1f1b", "interleaved-zb") and m % rounds:
-            raise ConfigError(
-                f"--n-microbatches: {self.schedule} runs the micro-batches in rounds of about one per "
-                f"rank ({pp_size}); {m} is not a multiple of its {rounds} rounds; use a multiple of {pp_size}"
-            )
 
     def flags(self) -> dict[str, object]:
         """The settings that are flags of this run's script (for run.json)."""
@@ -325,6 +258,19 @@ class Config:
     def data_parallel_size(self, world_size: int) -> int:
         """How many ranks split each global batch (the pipeline splits it only across its replicas)."""
         return self.dp if self.strategy == "pippy" else world_size
+
+    def chunk_size(self, world_size: int) -> int:
+        """Samples one data-parallel rank (a pipeline: one replica) runs in one accumulation step: its share of
+        the global batch, divided by --grad-accum-steps. The pipeline cuts it into --n-microbatches."""
+        return self.batch_size // self.data_parallel_size(world_size) // self.grad_accum_steps
+
+    def batch_split(self, world_size: int) -> str:
+        """How the global batch splits, for the start-up line: "4 ranks x 1 accumulation steps x 32"."""
+        chunk = self.chunk_size(world_size)
+        if self.strategy == "pippy":
+            m = self.n_microbatches
+            return f"{self.dp} replicas x {self.grad_accum_steps} accumulation steps x {m} micro-batches x {chunk // m}"
+        return f"{world_size} ranks x {self.grad_accum_steps} accumulation steps x {chunk}"
 
 
 def batch_larger_than_data(batch_size: int, n_samples: int) -> str:

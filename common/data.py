@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from common.config import ConfigError, batch_larger_than_data
-from common.preflight import DataMissingError, last_line, missing_data_message, torchvision_dataset
 
 
 @dataclass
@@ -73,19 +72,10 @@ def load_dataset(
     if name == "digits":
         train, test = make_digits(train_size, seed=seed), make_digits(test_size, seed=seed, test=True)
         return DataSet(name, train, test, 10, mean, std)
-    train, test = (_torchvision_split(name, data_dir, train=t, download=download) for t in (True, False))
+    from common.data_files import read_split  # the torchvision sets only
+
+    train, test = (Split(*read_split(name, data_dir, train=t, download=download)) for t in (True, False))
     return DataSet(name, train, test, 10, mean, std)
-
-
-def _torchvision_split(name: str, data_dir: str, *, train: bool, download: bool) -> Split:
-    dataset_class = torchvision_dataset(name)
-    try:
-        ds = dataset_class(root=data_dir, train=train, download=download)
-    except Exception as e:  # torchvision raises RuntimeError when absent, URLError/OSError when offline
-        raise DataMissingError(missing_data_message(name, data_dir, reason=last_line(e) if download else "")) from None
-    images = torch.as_tensor(ds.data)
-    images = images.unsqueeze(1) if images.ndim == 3 else images.permute(0, 3, 1, 2)  # -> [N, C, H, W]
-    return Split(images.contiguous(), torch.as_tensor(ds.targets, dtype=torch.int64))
 
 
 def to_device_batch(
@@ -149,6 +139,21 @@ class GlobalBatchSampler:
         """This rank's contiguous share of step `step`'s global batch (world_size must divide it)."""
         per_rank = self.global_batch_size // world_size
         return self.global_batch(step)[rank * per_rank : (rank + 1) * per_rank]
+
+
+def describe_data(data: DataSet, sampler: GlobalBatchSampler, *, split: str, steps: int) -> str:
+    """The start-up lines: the data set, how each global batch is split (`split`), the run's length, and the
+    samples that sit out each epoch, if any."""
+    line = (
+        f"{data.name}: {len(data.train)} train / {len(data.test)} test images | "
+        f"global batch {sampler.global_batch_size} = {split} | {steps} steps"
+    )
+    if sampler.left_out_per_epoch:
+        line += (
+            f"\nnote: {sampler.left_out_per_epoch} samples per epoch do not fill a global batch and sit out "
+            f"that epoch (different ones each epoch)"
+        )
+    return line
 
 
 def shard_range(n: int, rank: int, world_size: int) -> range:

@@ -64,10 +64,10 @@ def setup_distributed(*, device: str = "auto", timeout_s: int = 300, threads: in
     timeout = timedelta(seconds=timeout_s)
     device_id = dev if use_cuda else None
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun's agent hosts the store at MASTER_ADDR:MASTER_PORT and keeps the same one when it
-        # restarts the workers (--max-restarts). Keys the failed attempt wrote (each rank's address) would
-        # then be read by the new attempt, whose ranks dial dead ports until the timeout. A prefix per
-        # attempt keeps the attempts apart.
+        # torchrun's agent (torch 2.14.1, 2.15.0) hosts the store at MASTER_ADDR:MASTER_PORT and keeps the
+        # same one when it restarts the workers (--max-restarts). Keys the failed attempt wrote (each rank's
+        # address) would then be read by the new attempt, whose ranks dial dead ports until the timeout. A
+        # prefix per attempt keeps the attempts apart.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.TCPStore(
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
@@ -88,14 +88,10 @@ def setup_distributed(*, device: str = "auto", timeout_s: int = 300, threads: in
 
 
 def keep_freed_memory() -> bool:
-    """Make glibc keep freed memory for reuse instead of handing it back to the kernel (Linux/glibc only).
-
-    By default glibc serves big allocations (a step's activations: 5 to 20 MB each on the CPU) with mmap
-    and unmaps them when freed, or trims the heap top; every step then page-faults its activations in again
-    as fresh, zeroed pages: up to 26,000 page faults per step on this project's 2-core reference machine,
-    a third of an fp32 step, and more or less from one launch to the next (python -m bench measures
-    it). A fixed mmap threshold of 32 MiB (glibc's maximum) and a 1 GiB trim threshold keep those pages
-    mapped and reused. Returns False where mallopt is not available (macOS, musl): nothing changes there."""
+    """Make glibc keep freed memory for reuse instead of handing it back to the kernel: a fixed mmap threshold of
+    32 MiB (glibc's maximum) and a 1 GiB trim threshold keep a step's activations (5 to 20 MB each on the CPU)
+    mapped, so the next step does not page-fault them in again as fresh, zeroed pages (docs/performance.md
+    measures what that saves). Returns False where mallopt is not available (macOS, musl): nothing changes."""
     import ctypes
 
     try:
@@ -104,6 +100,11 @@ def keep_freed_memory() -> bool:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
     return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The part of a (possibly sharded DTensor) tensor this rank holds; in-place changes to it change the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def collective_device() -> torch.device:
@@ -115,20 +116,11 @@ _LAST_MEETING: list[object] = []  # teardown_distributed's collective, kept unti
 
 
 def teardown_distributed() -> None:
-    """Leave the process group; call it in `finally`. After a clean run all ranks first meet, so no rank
-    tears down its communicator while another still uses it (with gloo that can abort a finished run).
-    After an error they don't: the other ranks may never get there.
-
-    The meeting is an all-reduce whose handle this process keeps until it exits, not `dist.barrier()`.
-    gloo runs collectives on threads of its own, and the thread that finishes one lets go of it a moment
-    after the caller's wait() returned. If that is the last reference to a Python tensor, the thread needs
-    the GIL to let go; when Python is already shutting down by then, the thread is killed and the process
-    aborts after a finished run ("terminate called without an active exception"). A barrier makes this
-    likely: it holds on to the collectives that were finishing when it started (the last all-gather, say)
-    until its own release. Holding the handle makes this process, not gloo's thread, release the last
-    collective, with the GIL. It matters where the process group outlives destroy_process_group, as
-    FSDP's does (DTensor's caches keep its DeviceMesh, and the mesh its groups, until the interpreter
-    exits); with DDP, destroy_process_group joins gloo's threads then and there."""
+    """Leave the process group; call it in `finally`. After a clean run the ranks first meet, so that none tears
+    down its communicator while another still uses it; after an error they don't (the others may never come).
+    The meeting is an all-reduce whose handle the process keeps until it exits: with gloo (torch 2.14.1,
+    2.15.0) a barrier, or a dropped handle, can leave gloo's thread to release the last collective during
+    interpreter shutdown, and the finished run aborts (docs/troubleshooting.md, "Clean exits", says why)."""
     if not dist.is_initialized():
         return
     if sys.exc_info()[1] is None:  # inside `finally`: None unless an exception is on its way out

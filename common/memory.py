@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from common.config import ConfigError
 
-# Memory one CPU training process of this suite takes (torch, the built-in data set, BabyCNN, gloo): the peak
-# Pss (its own pages plus its share of the torch libraries) in /proc/PID/smaps_rollup of each worker, sampled
-# every 0.5 s during  NPROC=4 bash run_ddp.sh --max-steps 60 --checkpoint-every 20 --eval-every 20
-# was 678-699 MiB on 2026-11-23 (2-core CPU, no GPU, torch 2.15.0+cu132). Larger data sets take more: a
-# refusal is always right, a launch let through may still be tight.
+# Memory one CPU training process of this suite takes (torch, the built-in data set, BabyCNN, gloo), rounded up
+# from the peak Pss measured per worker (docs/checkpoints.md, "Too many processes", says how). Larger data sets
+# take more: a refusal is always right, a launch let through may still be tight.
 MIB_PER_CPU_PROCESS = 700
 
 

@@ -12,76 +12,19 @@ only when it has to download, so a normal launch pays ~0.1 s for it.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Sequence
 
 from common.cli import parse_config
 from common.compiling import require_compiler
 from common.config import STRATEGIES, ConfigError
-from common.errors import UserError, fail
+from common.data_files import DataMissingError, ensure_data
+from common.errors import fail
 from common.memory import check_memory
 from common.runs import check_resume, finished_line, latest_meta, moved_line, set_aside
 
 # Exit status for "the run is already finished": the runner exits 0 without starting torchrun.
 NOTHING_TO_DO = 3
-
-
-class DataMissingError(UserError, RuntimeError):
-    """A torchvision data set is neither on disk nor downloadable."""
-
-
-# The files torchvision looks for, relative to --data-dir.
-EXPECTED_FILES = {
-    "mnist": [f"MNIST/raw/{s}-{k}-ubyte" for s in ("train", "t10k") for k in ("images-idx3", "labels-idx1")],
-    "fashion-mnist": [
-        f"FashionMNIST/raw/{s}-{k}-ubyte" for s in ("train", "t10k") for k in ("images-idx3", "labels-idx1")
-    ],
-    "cifar10": [
-        f"cifar-10-batches-py/{f}" for f in ("batches.meta", "test_batch", *(f"data_batch_{i}" for i in range(1, 6)))
-    ],
-}
-
-
-def torchvision_dataset(name: str):
-    import torchvision  # imported here only: it costs seconds, and the built-in data set does not need it
-
-    return {
-        "mnist": torchvision.datasets.MNIST,
-        "fashion-mnist": torchvision.datasets.FashionMNIST,
-        "cifar10": torchvision.datasets.CIFAR10,
-    }[name]
-
-
-def data_present(name: str, data_dir: str) -> bool:
-    return name == "digits" or all(os.path.exists(os.path.join(data_dir, f)) for f in EXPECTED_FILES[name])
-
-
-def missing_data_message(name: str, data_dir: str, *, reason: str = "") -> str:
-    where = os.path.join(data_dir, os.path.dirname(EXPECTED_FILES[name][0]))
-    names = ", ".join(os.path.basename(f) for f in EXPECTED_FILES[name])
-    because = f" ({reason})" if reason else ""
-    return (
-        f"--data-dir: {name} is not in {data_dir!r} and could not be downloaded{because}; "
-        f"put {names} in {where}/ or run once with network access"
-    )
-
-
-def ensure_data(name: str, data_dir: str) -> None:
-    """Download a missing torchvision data set, or raise DataMissingError saying where it belongs."""
-    if data_present(name, data_dir):
-        return
-    dataset_class = torchvision_dataset(name)
-    try:
-        for train in (True, False):
-            dataset_class(root=data_dir, train=train, download=True)
-    except Exception as e:  # offline: URLError / OSError / RuntimeError from torchvision
-        raise DataMissingError(missing_data_message(name, data_dir, reason=last_line(e))) from None
-
-
-def last_line(error: Exception) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[-1] if lines else type(error).__name__
 
 
 def _take(args: list[str], flag: str, *, has_value: bool = True) -> str | None:

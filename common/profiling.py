@@ -1,9 +1,7 @@
 """--profile-steps A:B: torch.profiler over steps A..B, one Chrome trace per rank, and the share of the
 time in collectives that computation hid (run.json "profile"). --memory-snapshot adds a CUDA memory
-snapshot of the same steps. See docs/profiling.md.
-
-Off (the default) a StepProfiler holds no profiler: `span()` returns one shared no-op context and the
-step hooks compare two integers, so the training loop pays nothing measurable for them.
+snapshot of the same steps. See docs/profiling.md. Only a run with --profile-steps imports this module
+(common/recorder.py); without it the spans are one shared no-op context.
 """
 
 from __future__ import annotations
@@ -15,8 +13,6 @@ from typing import Any, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
-
-from common.config import ConfigError
 
 _OFF = contextlib.nullcontext()  # reusable: entering it does nothing
 # Collectives as the profiler names them: gloo/NCCL run them on their own threads ("gloo:all_reduce",
@@ -75,14 +71,11 @@ def comm_overlap(events: Sequence[dict]) -> dict[str, float]:
 
 
 class StepProfiler:
-    """The profiler of one rank over steps [first, last] (both included), or nothing at all."""
+    """The profiler of one rank over steps [first, last] (both included)."""
 
     def __init__(self, spec: str, *, out_dir: str, rank: int, device: torch.device, memory: bool = False) -> None:
-        self.enabled = bool(spec)
-        self.first, self.last = parse_steps(spec) if spec else (0, -1)
+        self.first, self.last = parse_steps(spec)
         self.out_dir, self.rank, self.device, self.memory = out_dir, rank, device, memory
-        if memory and device.type != "cuda":
-            raise ConfigError("--memory-snapshot: needs CUDA (it records the CUDA caching allocator); drop the flag")
         self._profiler: Any = None
         self._step_span: Any = None
         self.result: dict[str, Any] | None = None
@@ -96,7 +89,7 @@ class StepProfiler:
             if self.memory:
                 torch.cuda.memory._record_memory_history(max_entries=200_000)
             activities = [torch.profiler.ProfilerActivity.CPU]
-            if self.device.type == "cpu":  # else kineto logs "gpuGetDeviceCount failed" on a machine with no GPU
+            if self.device.type == "cpu":  # else kineto (torch 2.14.1) logs "gpuGetDeviceCount failed" without a GPU
                 os.environ.setdefault("KINETO_LOG_LEVEL", "5")
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -133,9 +126,7 @@ class StepProfiler:
             self.result["memory_snapshot"] = snapshot
 
     def report(self) -> dict[str, Any] | None:
-        """run.json's "profile" section. Every rank calls it (it gathers) when profiling is on."""
-        if not self.enabled:
-            return None
+        """run.json's "profile" section. Every rank calls it (it gathers)."""
         self._stop()  # the run ended inside the window
         results: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(results, self.result)

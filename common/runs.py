@@ -18,46 +18,19 @@ from common.config import Config, ConfigError
 
 # The settings that decide which weights step s produces: a resume with another value is refused.
 TRAJECTORY = (
-    "dataset",
-    "train_size",
-    "test_size",
-    "seed",
-    "batch_size",
-    "optimizer",
-    "lr",
-    "weight_decay",
-    "warmup_steps",
-    "lr_schedule",
-    "min_lr",
-    "max_grad_norm",
-    "dropout",
-    "precision",
+    *("dataset", "train_size", "test_size", "seed", "batch_size"),  # which samples, in which order
+    *("optimizer", "lr", "weight_decay", "warmup_steps", "lr_schedule", "min_lr", "max_grad_norm"),  # the update
+    *("dropout", "precision"),  # the model's arithmetic
 )
 # Settings a resume may change, said once: the strategy and its layout (a DCP checkpoint loads into any of
-# them), the length (with a decaying --lr-schedule, a new length re-times the decay from here on), the
-# cadences and what is observed. --grad-accum-steps splits the same global batch differently; --compile
-# changes the kernels, not the arithmetic's meaning.
+# them; --grad-accum-steps splits the same global batch differently), the length (with a decaying
+# --lr-schedule, a new length re-times the decay from here on), the cadences, and what is observed (--compile
+# changes the kernels, not the arithmetic's meaning).
 MAY_CHANGE = (
-    "strategy",
-    "sharding",
-    "shard_units",
-    "cpu_offload",
-    "activation_checkpointing",
-    "schedule",
-    "n_microbatches",
-    "stages_per_rank",
-    "dp",
-    "grad_accum_steps",
-    "epochs",
-    "max_steps",
-    "log_every",
-    "eval_every",
-    "checkpoint_every",
-    "keep",
-    "compile",
-    "profile_steps",
-    "memory_snapshot",
-    "tensorboard",
+    *("strategy", "sharding", "shard_units", "cpu_offload", "activation_checkpointing"),
+    *("schedule", "n_microbatches", "stages_per_rank", "dp", "grad_accum_steps"),
+    *("epochs", "max_steps", "log_every", "eval_every", "checkpoint_every", "keep"),
+    *("compile", "profile_steps", "memory_snapshot", "tensorboard"),
 )
 # Settings that are where and how this launch runs, not what it trains: they change silently.
 FREE = ("data_dir", "out", "resume", "device", "threads", "timeout_s")

@@ -33,20 +33,12 @@ def load_timeline(run_dir: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def idle_fraction(timeline: dict[str, Any]) -> float:
-    """The share of the ranks' step windows in which no action ran (actions on one rank do not overlap)."""
-    busy = sum(a["end"] - a["start"] for acts in timeline["actions"] for a in acts)
-    window = sum(end - start for start, end in timeline["window_s"])
-    return 1 - busy / window if window > 0 else 0.0
-
-
 def title(timeline: dict[str, Any]) -> str:
-    bubble = timeline.get("bubble") or {}
-    measured = bubble.get("measured", idle_fraction(timeline))
-    theory = f", theory {100 * bubble['theory']:.0f}%" if "theory" in bubble else ""
+    bubble = timeline["bubble"]  # run.json's, from the same recorded actions (common/pipeline_actions.py)
     return (
         f"{timeline['schedule']}: {timeline['pp_size']} ranks, {timeline['n_microbatches']} micro-batches, "
-        f"step {timeline['step']}\nbubble measured {100 * measured:.0f}%{theory}"
+        f"step {timeline['step']}\n"
+        f"bubble measured {100 * bubble['measured']:.0f}%, theory {100 * bubble['theory']:.0f}%"
     )
 
 

@@ -1,18 +1,17 @@
-"""Pieces of the training loop that are the same in every strategy: optimizer, learning rate, loss
-reduction, evaluation and the description of a run. What differs between strategies stays in the scripts."""
+"""Pieces of the training loop that are the same in every strategy: optimizer, learning rate, precision, loss
+reduction and evaluation. What differs between strategies stays in the scripts."""
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from common.config import Config
-from common.data import DataSet, Split, longest_shard, shard_range, to_device_batch
-from common.distributed import DistEnv
+from common.data import DataSet, longest_shard, shard_range, to_device_batch
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: Config) -> torch.optim.Optimizer:
@@ -49,12 +48,12 @@ def autocast(cfg: Config, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
 
 
-def global_mean(value: torch.Tensor, group: dist.ProcessGroup | None = None) -> float:
-    """Mean of a per-rank scalar over all ranks of `group`: each rank's loss is the mean over an equal
-    share of the global batch, so the mean of the rank means is the mean over the whole global batch."""
+def global_mean(value: torch.Tensor) -> float:
+    """Mean of a per-rank scalar over all ranks: each rank's loss is the mean over an equal share of the global
+    batch, so the mean of the rank means is the mean over the whole global batch."""
     value = value.detach().float().clone()
-    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
-    return value.item() / dist.get_world_size(group)
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value.item() / dist.get_world_size()
 
 
 def check_finite(loss: float, step: int) -> None:
@@ -62,55 +61,43 @@ def check_finite(loss: float, step: int) -> None:
         raise FloatingPointError(f"the loss is {loss} at step {step}; lower --lr or use --precision fp32")
 
 
+EVAL_BATCH_SIZE = 500  # test images per forward in data-parallel evaluation
+
+
 @torch.no_grad()
 def evaluate(
-    forward: Callable[[torch.Tensor], torch.Tensor],
-    split: Split,
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None],
     data: DataSet,
     *,
-    rank: int,
-    world_size: int,
+    part: int,
+    parts: int,
     device: torch.device,
-    batch_size: int = 500,
-    dtype: torch.dtype = torch.float32,
+    fixed_batch: int = 0,
 ) -> tuple[float, float]:
-    """(test loss, test accuracy) over the whole of `split`.
+    """(test loss, test accuracy) over the whole test set, the same for any world size.
 
-    Each rank evaluates its contiguous shard; sums of losses and hits are reduced across ranks, so the
-    result is the same for any world size. Every rank makes the same number of forward calls (a rank with
-    a shorter shard runs an empty batch), because sharded models (FSDP) communicate inside forward.
+    Each of `parts` evaluators (a rank; a pipeline replica) takes its contiguous shard of the test set, and the
+    sums of losses and hits are reduced over all ranks. `forward(images, labels)` returns the logits, or None on
+    a rank that does not hold them (a pipeline rank without the last stage). Every evaluator makes as many
+    forward calls as the longest shard needs, because sharded models and pipelines communicate inside forward:
+    a shorter shard runs an empty batch or, with `fixed_batch` (a pipeline, whose buffers the first step sized:
+    every batch exactly that size), batches padded with copies of image 0 whose rows are not counted.
     """
-    shard = shard_range(len(split), rank, world_size)
-    longest = longest_shard(len(split), world_size)
+    batch_size = fixed_batch or EVAL_BATCH_SIZE
+    shard = shard_range(len(data.test), part, parts)
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, hits, count
-    for start in range(0, max(longest, 1), batch_size):
+    for start in range(0, max(longest_shard(len(data.test), parts), 1), batch_size):
         indices = torch.arange(shard.start + start, min(shard.start + start + batch_size, shard.stop))
-        images, labels = to_device_batch(split, indices, data, device, dtype)
-        logits = forward(images).float()
-        totals[0] += F.cross_entropy(logits, labels, reduction="sum").double()
-        totals[1] += (logits.argmax(dim=1) == labels).sum()
-        totals[2] += len(labels)
+        n_real = len(indices)
+        if fixed_batch:
+            indices = torch.cat([indices, indices.new_zeros(batch_size - n_real)])
+        images, labels = to_device_batch(data.test, indices, data, device)
+        logits = forward(images, labels)
+        if logits is not None:
+            logits, labels = logits[:n_real].float(), labels[:n_real]
+            totals[0] += F.cross_entropy(logits, labels, reduction="sum").double()
+            totals[1] += (logits.argmax(dim=1) == labels).sum()
+            totals[2] += n_real
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)
     loss_sum, hits, count = totals.tolist()
     return loss_sum / count, hits / count
-
-
-def describe_run(cfg: Config, env: DistEnv, **extra: Any) -> dict[str, Any]:
-    """The identity of a run, for run.json: what ran, where, and with which settings."""
-    return {
-        "strategy": cfg.strategy,
-        "world_size": env.world_size,
-        "backend": env.backend,
-        "device": env.device.type,
-        "torch_version": torch.__version__,
-        "threads_per_process": torch.get_num_threads() if env.device.type == "cpu" else None,
-        "config": cfg.flags(),
-        **extra,
-    }
-
-
-def gather_memory(memory: dict[str, Any], rank: int) -> list[dict[str, Any]]:
-    """Every rank's memory record, in rank order (all ranks must call this)."""
-    records: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(records, {"rank": rank, **memory})
-    return records

@@ -1,12 +1,13 @@
 """The logic behind --profile-steps and the timeline on hand-made data, without processes: interval
 unions and overlaps, the hidden-communication share from synthetic trace events, the flags' validation,
-the off-by-default StepProfiler, and the timeline drawn for single-stage and V layouts."""
+a recorder without --profile-steps that loads no profiler, and the timeline drawn for single-stage and V
+layouts."""
 
 import pytest
 
 from common.config import Config, ConfigError
-from common.profiling import StepProfiler, comm_overlap, overlap_s, union
-from common.timeline import draw, idle_fraction, title
+from common.profiling import comm_overlap, overlap_s, union
+from common.timeline import draw, title
 
 
 def op(name, ts, dur, tid=1, cat="cpu_op"):
@@ -48,19 +49,28 @@ def test_memory_snapshot_needs_cuda_and_steps():
     with pytest.raises(ConfigError, match="add --profile-steps"):
         Config(memory_snapshot=True, device="cuda").check()
     Config(profile_steps="3:5").check()
+    # a worker knows its device: --device auto on a machine whose GPUs it could not use runs on the CPU
+    Config(memory_snapshot=True, profile_steps="1:2", device="cuda").check(device_type="cuda")
+    with pytest.raises(ConfigError, match="needs CUDA"):
+        Config(memory_snapshot=True, profile_steps="1:2", device="cuda").check(device_type="cpu")
 
 
-def test_the_profiler_is_nothing_when_off():
+def test_without_profile_steps_the_recorder_profiles_nothing(tmp_path):
     import torch
 
-    profiler = StepProfiler("", out_dir="/nonexistent", rank=0, device=torch.device("cpu"))
-    for step in range(1, 4):
-        profiler.step_start(step)
-        with profiler.span("forward"):
+    from common.distributed import DistEnv
+    from common.recorder import RunRecorder
+
+    env = DistEnv(rank=1, local_rank=1, world_size=2, local_world_size=2, device=torch.device("cpu"), backend="gloo")
+    recorder = RunRecorder(Config(out=str(tmp_path)), env, start_step=0, total_steps=3, logs=False)
+    for step in recorder.steps():
+        with recorder.span("forward"):
             pass
-        profiler.step_end(step)
-    assert profiler._profiler is None and profiler.report() is None
-    assert profiler.span("a") is profiler.span("b")  # one shared no-op context
+        recorder.train(step, loss=1.0, lr=0.1, grad_norm=1.0)
+    assert recorder.profiler is None and recorder.span("a") is recorder.span("b")  # one shared no-op context
+    assert list(tmp_path.iterdir()) == []  # a rank that does not log writes nothing
+    with pytest.raises(FloatingPointError, match="at step 4"):
+        recorder.train(4, loss=float("nan"), lr=0.1, grad_norm=1.0)
 
 
 def timeline(layout, schedule):
@@ -97,14 +107,6 @@ def test_the_timeline_draws_every_layout(tmp_path, layout, schedule):
     draw(data, str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "bubble measured 40%, theory 20%" in title(data)
-
-
-def test_idle_fraction():
-    data = timeline([[0], [1]], "gpipe")
-    busy = 4 * 0.002
-    window = sum(end - start for start, end in data["window_s"])
-    assert idle_fraction({**data}) == pytest.approx(1 - 2 * busy / window)
-    assert "bubble measured" in title({**data, "bubble": None})
 
 
 def test_tensorboard_missing_is_one_line(monkeypatch):

@@ -4,9 +4,11 @@ and the bubble simulator against the textbook formula."""
 import pytest
 
 from common.cli import parse_config
-from common.config import PIPELINE_MAX_STAGES, SCHEDULES
+from common.config import SCHEDULES
 from common.model import MAX_STAGES
-from common.pipeline import BALANCED_COST, simulate_bubble, stage_indices, stage_owner
+from common.pipeline_actions import BALANCED_COST, simulate_bubble
+from common.pipeline_layout import MAX_STAGES as PIPELINE_MAX_STAGES
+from common.pipeline_layout import PipelineLayout
 from tests.helpers import PP_PARITY
 from tests.integration.test_pippy import DP2, MATRIX, PART1, STAGES_PER_RANK
 
@@ -20,16 +22,18 @@ def test_every_combination_the_tests_run_passes_the_checks():
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_stage_placement_covers_every_stage_once(schedule):
     for pp_size in (1, 2, 4):
-        v = STAGES_PER_RANK[schedule]
-        held = [stage for rank in range(pp_size) for stage in stage_indices(schedule, rank, pp_size, v)]
-        assert sorted(held) == list(range(pp_size * v))
-        assert all(
-            stage_owner(schedule, s, pp_size) == r
-            for r in range(pp_size)
-            for s in stage_indices(schedule, r, pp_size, v)
+        layout = PipelineLayout(
+            schedule, dp=1, pp_size=pp_size, stages_per_rank=STAGES_PER_RANK[schedule], n_microbatches=8
         )
+        held = [stage for rank in range(pp_size) for stage in layout.stages_of(rank)]
+        assert sorted(held) == list(range(layout.n_stages))
+        assert all(layout.owner(s) == r for r in range(pp_size) for s in layout.stages_of(r))
+        # two consecutive stages on one rank: always in a V, and on a pipeline of one rank with several stages
+        expected = schedule in ("zbv", "dualpipev") or (pp_size == 1 and layout.n_stages > 1)
+        assert layout.local_handoff == expected
     if schedule in ("zbv", "dualpipev"):
-        assert stage_owner(schedule, 7, 4) == 0  # V placement: the last stage, with the loss, is on rank 0
+        layout = PipelineLayout(schedule, dp=1, pp_size=4, stages_per_rank=2, n_microbatches=8)
+        assert layout.owner(7) == 0  # V placement: the last stage, with the loss, is on rank 0
 
 
 @pytest.mark.parametrize("p,m", [(2, 1), (4, 4), (4, 8), (3, 5)])

@@ -1,0 +1,231 @@
+"""Everything a run reports, in one object: `<out>/metrics.jsonl` and the console's progress lines, TensorBoard
+(--tensorboard), the profiler (--profile-steps), each rank's memory, `<out>/run.json` and the final line.
+
+metrics.jsonl has one JSON object per line:
+    {"kind": "train", "step", "loss", "lr", "grad_norm", "samples_per_s", "step_time_s"}   every optimizer step
+    {"kind": "eval", "step", "test_loss", "test_accuracy"}                    for every evaluation
+`loss` is the mean over the whole global batch (reduced across ranks); evaluations cover the whole test
+set; `grad_norm` is the global L2 norm of the whole model's gradient before clipping (--max-grad-norm).
+run.json describes the run (strategy, world, config), its final numbers and each rank's memory; a strategy
+adds its own sections (FSDP's mesh and memory theory, the pipeline's layout and bubble).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from typing import Any, ContextManager, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from common.config import Config
+from common.distributed import DistEnv, local_part
+from common.training import check_finite
+
+_OFF = contextlib.nullcontext()  # reusable: entering it does nothing
+
+
+class RunRecorder:
+    """Created once the run's first step is known; `steps()` yields the steps to train, `train()` records each
+    one, `eval()` each evaluation, `finish()` ends the run. Only the rank that holds the loss (`logs`: rank 0,
+    or the pipeline's last stage) writes and prints; every rank must call `train` and `finish`."""
+
+    def __init__(self, cfg: Config, env: DistEnv, *, start_step: int, total_steps: int, logs: bool) -> None:
+        self.cfg, self.env, self.logs = cfg, env, logs
+        self.start_step, self.total_steps = start_step, total_steps
+        self.started = self.step_started = time.perf_counter()
+        self.last_train: dict[str, Any] = {}
+        self.last_eval: dict[str, Any] = {}
+        self.samples, self.train_time = 0, 0.0
+        self._file = self._scalars = None
+        if logs:
+            self._file = _open_metrics(cfg.out, keep_up_to=start_step)
+            if cfg.tensorboard:
+                from common.tensorboard import ScalarWriter  # only with the flag: tensorboard is optional
+
+                self._scalars = ScalarWriter(cfg.out)
+        self.profiler = None
+        if cfg.profile_steps:
+            from common.profiling import StepProfiler  # only with the flag
+
+            self.profiler = StepProfiler(
+                cfg.profile_steps, out_dir=cfg.out, rank=env.rank, device=env.device, memory=cfg.memory_snapshot
+            )
+
+    def span(self, name: str) -> ContextManager:
+        """A named part of a step in the profiler's trace while --profile-steps profiles it; a no-op otherwise."""
+        return _OFF if self.profiler is None else self.profiler.span(name)
+
+    def steps(self) -> Iterator[int]:
+        """The steps left to train, start_step + 1 .. total_steps; each one's clock (and profiler window) starts
+        as it is yielded."""
+        for step in range(self.start_step + 1, self.total_steps + 1):
+            self.step_started = time.perf_counter()
+            if self.profiler:
+                self.profiler.step_start(step)
+            yield step
+
+    def train(self, step: int, *, loss: float, lr: float, grad_norm: float) -> None:
+        """Record optimizer step `step`, whose time ends here. A non-finite loss raises FloatingPointError (the
+        loss is reduced over all ranks, so every rank stops together)."""
+        step_time_s = time.perf_counter() - self.step_started
+        check_finite(loss, step)
+        if self.profiler:
+            self.profiler.step_end(step)
+        samples = self.cfg.batch_size
+        self.samples += samples
+        self.train_time += step_time_s
+        self.last_train = {
+            "kind": "train",
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "samples_per_s": samples / step_time_s,
+            "step_time_s": step_time_s,
+        }
+        self._write(self.last_train)
+        if self.logs and (step % self.cfg.log_every == 0 or step == self.total_steps):
+            eta = (time.perf_counter() - self.started) / (step - self.start_step) * (self.total_steps - step)
+            print(
+                f"step {step:>5}/{self.total_steps} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
+                f"{self.samples / self.train_time:7.0f} samples/s | ETA {_clock(eta)}",
+                flush=True,
+            )
+
+    def eval(self, step: int, test_loss: float, test_accuracy: float) -> None:
+        self.last_eval = {"kind": "eval", "step": step, "test_loss": test_loss, "test_accuracy": test_accuracy}
+        self._write(self.last_eval)
+        if self.logs:
+            print(
+                f"eval  {step:>5}/{self.total_steps} | test loss {test_loss:.4f} | "
+                f"test accuracy {100 * test_accuracy:.2f}%",
+                flush=True,
+            )
+
+    def finish(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        memory_theory: dict[str, Any] | None = None,
+        files: Iterable[str] = (),
+        **sections: Any,
+    ) -> None:
+        """End the run (every rank calls this: it gathers). run.json gets each rank's memory (`params` and
+        `optimizer` are what this rank holds) next to `memory_theory`, the profile, and the strategy's own
+        `sections` (mesh=..., pipeline=...); the final line names `files`, the others the run wrote."""
+        per_rank: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, {"rank": self.env.rank, **measure_memory(params, optimizer, self.env.device)})
+        memory = {"per_rank": per_rank, **({"theory": memory_theory} if memory_theory else {})}
+        profile = self.profiler.report() if self.profiler else None
+        if self.logs:
+            final = {
+                "train_loss": self.last_train.get("loss"),
+                "test_loss": self.last_eval.get("test_loss"),
+                "test_accuracy": self.last_eval.get("test_accuracy"),
+                "samples_per_s": self.samples / self.train_time if self.train_time else None,
+                "wall_time_s": time.perf_counter() - self.started,
+            }
+            write_run_json(self.cfg.out, **self.describe(**sections, profile=profile), final=final, memory=memory)
+            written = ", ".join(os.path.join(self.cfg.out, f) for f in ("metrics.jsonl", "run.json", *files))
+            print(
+                f"done: test accuracy {100 * final['test_accuracy']:.2f}% | {final['samples_per_s']:.0f} samples/s | "
+                f"{final['wall_time_s']:.1f} s | {written}",
+                flush=True,
+            )
+        self.close()
+
+    def describe(self, **sections: Any) -> dict[str, Any]:
+        """The identity of the run, for run.json: what ran, where, with which settings."""
+        env = self.env
+        return {
+            "strategy": self.cfg.strategy,
+            "world_size": env.world_size,
+            "backend": env.backend,
+            "device": env.device.type,
+            "torch_version": torch.__version__,
+            "threads_per_process": torch.get_num_threads() if env.device.type == "cpu" else None,
+            "config": self.cfg.flags(),
+            **sections,
+        }
+
+    def close(self) -> None:
+        if self._scalars:
+            self._scalars.close()
+            self._scalars = None
+        if self._file:
+            self._file.close()
+            self._file = None
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._file:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        if self._scalars:
+            self._scalars.write(record)
+
+
+def _open_metrics(out_dir: str, *, keep_up_to: int):
+    """metrics.jsonl for writing. A resumed run keeps the records up to its first step and rewrites the rest, so
+    no step appears twice."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "metrics.jsonl")
+    keep = []
+    if keep_up_to and os.path.exists(path):
+        with open(path) as f:
+            keep = [line for line in f if line.strip() and json.loads(line)["step"] <= keep_up_to]
+    file = open(path, "w")
+    file.writelines(keep)
+    file.flush()
+    return file
+
+
+def _bytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        local = local_part(t)
+        key = (local.untyped_storage().data_ptr(), local.storage_offset(), local.numel())
+        if key not in seen:  # count a tensor shared by two names once
+            seen.add(key)
+            total += local.numel() * local.element_size()
+    return total
+
+
+def measure_memory(
+    params: Iterable[torch.nn.Parameter], optimizer: torch.optim.Optimizer | None, device: torch.device
+) -> dict[str, Any]:
+    """Bytes of parameters, gradients and optimizer state this rank holds, measured from its tensors."""
+    params = list(params)
+    state = [
+        v for s in (optimizer.state.values() if optimizer else ()) for v in s.values() if isinstance(v, torch.Tensor)
+    ]
+    return {
+        "param_bytes": _bytes(params),
+        "grad_bytes": _bytes(p.grad for p in params if p.grad is not None),
+        "optim_bytes": _bytes(state),
+        "cuda_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+    }
+
+
+def state_bytes_theory(n_params: int, *, shards: int, optimizer: str) -> dict[str, Any]:
+    """The textbook's training state per rank: per parameter 4 + 4 bytes (fp32 weight, gradient) and the
+    optimizer's state (AdamW 8, SGD 4), divided by the ranks that share it (what it leaves out: docs/fsdp.md)."""
+    per_param = {"param_bytes": 4, "grad_bytes": 4, "optim_bytes": 8 if optimizer == "adamw" else 4}
+    return {"parameters": n_params, "shards": shards, **{k: v * n_params / shards for k, v in per_param.items()}}
+
+
+def write_run_json(out_dir: str, **fields: Any) -> None:
+    """Write run.json atomically (a reader never sees half a file)."""
+    path = os.path.join(out_dir, "run.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(fields, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
