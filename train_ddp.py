@@ -43,14 +43,7 @@ def train(cfg: Config, env: DistEnv) -> None:
     log(f"DDP | {env.world_size} ranks on {env.device.type}/{env.backend} | torch {torch.__version__}")
 
     # ---- data: every rank holds the whole data set; the sampler gives each rank its slice of each batch
-    data = load_dataset(
-        cfg.dataset,
-        data_dir=cfg.data_dir,
-        seed=cfg.seed,
-        train_size=cfg.train_size,
-        test_size=cfg.test_size,
-        download=env.world_size == 1,
-    )
+    data = load_dataset(cfg, download=env.world_size == 1)  # (the runners download before torchrun starts)
     sampler = GlobalBatchSampler(len(data.train), cfg.batch_size, seed=cfg.seed)
     steps = total_steps(cfg, sampler.steps_per_epoch)
     chunk_size = cfg.chunk_size(env.world_size)  # what this rank runs per accumulation step
@@ -75,10 +68,10 @@ def train(cfg: Config, env: DistEnv) -> None:
 
     start_step = 0
     if path := checkpoint_to_resume(cfg, log=log):
-        # [DDP] After a process's first backward DDP lays its gradient buckets out again, in the order the
-        # gradients became ready, and the layout decides the order in which gloo/NCCL sum each element. A
-        # throwaway backward gives this process the layout the uninterrupted run has at this step, so it repeats
-        # that run bit for bit; the checkpoint then overwrites weights, optimizer state and RNG.
+        # [DDP] After a process's first backward DDP (torch 2.14.1) lays its gradient buckets out again, in the
+        # order the gradients became ready, and the layout decides the order in which gloo/NCCL sum each element.
+        # A throwaway backward gives this process the layout the uninterrupted run has at this step, so it
+        # repeats that run bit for bit; the checkpoint then overwrites weights, optimizer state and RNG.
         x = torch.zeros(chunk_size, data.in_channels, data.image_size, data.image_size, device=env.device)
         with autocast(cfg, env.device):  # the loop's shape and precision: --compile traces no other graph
             model(x).sum().backward()

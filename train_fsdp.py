@@ -46,14 +46,7 @@ def train(cfg: Config, env: DistEnv) -> None:
     log(f"FSDP {cfg.sharding} | {env.world_size} ranks on {env.device.type}/{env.backend} | torch {torch.__version__}")
 
     # ---- data: every rank holds the whole data set; the sampler gives each rank its slice of each batch
-    data = load_dataset(
-        cfg.dataset,
-        data_dir=cfg.data_dir,
-        seed=cfg.seed,
-        train_size=cfg.train_size,
-        test_size=cfg.test_size,
-        download=env.world_size == 1,
-    )
+    data = load_dataset(cfg, download=env.world_size == 1)  # (the runners download before torchrun starts)
     sampler = GlobalBatchSampler(len(data.train), cfg.batch_size, seed=cfg.seed)
     steps = total_steps(cfg, sampler.steps_per_epoch)
     chunk_size = cfg.chunk_size(env.world_size)  # what this rank runs per accumulation step

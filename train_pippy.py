@@ -28,8 +28,15 @@ from common.clipping import clip_grad_norm
 from common.config import Config
 from common.data import GlobalBatchSampler, describe_data, load_dataset, to_device_batch
 from common.distributed import DistEnv, RankLogger, run, seed_everything, setup_distributed, teardown_distributed
-from common.model import build_model, split_model
-from common.pipeline import build_schedule, compile_stages, describe_cut, forward_stage_by_stage, stage_output_shapes
+from common.model import build_model
+from common.pipeline import (
+    build_schedule,
+    compile_stages,
+    describe_cut,
+    forward_stage_by_stage,
+    split_model,
+    stage_output_shapes,
+)
 from common.pipeline_actions import StageActions
 from common.pipeline_layout import PipelineLayout
 from common.recorder import RunRecorder
@@ -48,9 +55,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def train(cfg: Config, env: DistEnv) -> None:
+    layout = PipelineLayout.of(cfg, env.world_size)  # [PP] ranks per pipeline, stages, which rank holds which
     # [PP] A 2-D mesh: "dp" indexes the pipeline replicas, "pp" the ranks of one pipeline
     # (rank = replica * pp_size + pp_rank). Passing it explicitly lets the same code run on GPUs.
-    layout = PipelineLayout.of(cfg, env.world_size)  # [PP] which rank holds which stage (common/pipeline_layout.py)
     mesh = init_device_mesh(env.device.type, (layout.dp, layout.pp_size), mesh_dim_names=("dp", "pp"))
     replica, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
     my_stages = layout.stages_of(pp_rank)
@@ -65,14 +72,7 @@ def train(cfg: Config, env: DistEnv) -> None:
     )
 
     # ---- data: every rank holds the whole data set; a replica takes its slice of each global batch
-    data = load_dataset(
-        cfg.dataset,
-        data_dir=cfg.data_dir,
-        seed=cfg.seed,
-        train_size=cfg.train_size,
-        test_size=cfg.test_size,
-        download=env.world_size == 1,
-    )
+    data = load_dataset(cfg, download=env.world_size == 1)  # (the runners download before torchrun starts)
     sampler = GlobalBatchSampler(len(data.train), cfg.batch_size, seed=cfg.seed)
     steps = total_steps(cfg, sampler.steps_per_epoch)
     chunk_size = cfg.chunk_size(env.world_size)  # what this replica runs per accumulation step: one schedule.step()
@@ -87,8 +87,8 @@ def train(cfg: Config, env: DistEnv) -> None:
         num_classes=data.num_classes,
         dropout=cfg.dropout,
     )
-    # [PP] The explicit cut (STAGE_STARTS in common/model.py). `flatten` always opens a stage: its output is
-    # a view, and the zero-bubble schedules (torch 2.14.1) fail on a stage whose output is a view.
+    # [PP] The explicit cut (STAGE_STARTS in common/pipeline_layout.py). `flatten` always opens a stage: its
+    # output is a view, and the zero-bubble schedules (torch 2.14.1) fail on a stage whose output is a view.
     pieces = split_model(model, layout.n_stages)
     log(describe_cut(pieces, layout))
     shapes = stage_output_shapes(pieces, data.train.images[:1].float(), batch_size=chunk_size)  # for evaluation

@@ -28,9 +28,10 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 from torchvision import transforms
 
-from common.data import NORMALISATION, make_digits
-from common.metrics import measure_memory, write_run_json
+from common.data import NORMALISATION
+from common.digits import make_digits
 from common.model import build_model
+from common.recorder import measure_memory, write_run_json
 
 
 class DigitImages(Dataset):
@@ -64,10 +65,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if distributed:
         dist.init_process_group("gloo")
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    split = make_digits(args.train_size, seed=args.seed)
+    images, labels = make_digits(args.train_size, seed=args.seed)
     mean, std = NORMALISATION["digits"]
     transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize(mean, std)])
-    dataset = DigitImages(split.images[:, 0], split.labels, transform)
+    dataset = DigitImages(images[:, 0], labels, transform)
     sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed, drop_last=True) if distributed else None
     loader = DataLoader(
         dataset,

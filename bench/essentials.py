@@ -97,9 +97,10 @@ def clip_call(args) -> None:
     from common.model import build_model
 
     torch.set_num_threads(1)
+    from common.config import Config
     from common.data import load_dataset
 
-    data = load_dataset("digits", data_dir="", seed=0, train_size=128, test_size=128, download=False)
+    data = load_dataset(Config(train_size=128, test_size=128))
     model = build_model(seed=0, in_channels=data.in_channels, image_size=data.image_size, num_classes=10, dropout=0)
     for p in model.parameters():
         p.grad = torch.randn_like(p)

@@ -42,14 +42,14 @@ from common.runs import (
 )
 
 # Optimizer state keyed by parameter name (optim.state.conv1.weight.exp_avg, optim.param_groups.conv1.weight.lr).
-# The nested default keys param groups by position, so pipeline ranks, each holding different parameters,
+# The nested default (torch 2.14.1) keys param groups by position, so pipeline ranks, each holding different parameters,
 # would write different groups under one key, and a resume would load another rank's (no betas, wrong params).
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _state(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dict:
     if not optimizers:  # a pipeline rank whose stages have no parameters has no optimizer
-        # and, without buffers either, no state at all (get_model_state_dict refuses to return an empty one)
+        # and, without buffers either, no state at all (get_model_state_dict, torch 2.14.1, refuses an empty one)
         return {"model": get_model_state_dict(model) if model.state_dict() else {}}
     model_sd, optim_sd = get_state_dict(model, list(optimizers), options=_OPTIONS)
     return {"model": model_sd, "optim": optim_sd}

@@ -1,14 +1,7 @@
-"""Gradient clipping by the global L2 norm of the whole model's gradients, whatever holds them.
-
-Each rank sums the squares of the gradient elements it holds (the local part of a sharded DTensor
-gradient), in fp32; the sums are added over the process groups whose ranks hold *different* parts of the
-model, and the square root is the norm of the whole model's gradient on every rank, so every rank scales
-by the same factor. Which groups those are is the strategy's business, and stays in each script:
-    DDP:      none: after backward every rank holds the whole, all-reduced gradient
-    FSDP2:    the mesh's "shard" dim (the "replicate" dim of hybrid holds the same shards again)
-    pipeline: the "pp" group (each rank holds other stages), and "dp" with --dp (FSDP2 shards of a stage)
-Adding over a group that holds copies would count each gradient several times: the norm would be
-sqrt(copies) too large; taking only the local part would make it sqrt(shards) too small.
+"""Gradient clipping by the global L2 norm of the whole model's gradients, whatever holds them: each rank sums
+the squares of what it holds, the sums are added over the process groups whose ranks hold *different* parts of
+the model (the strategy's choice, in each script), and every rank scales by the same factor. Adding over
+copies, or not adding over shards, gets the norm wrong by sqrt(copies) or sqrt(shards): docs/training.md.
 """
 
 from __future__ import annotations

@@ -68,12 +68,16 @@ class Run:
         return f"{os.path.basename(os.path.normpath(self.path))} ({self.settings}, {self.info['world_size']} proc)"
 
     def memory_per_rank(self) -> list[int]:
-        """param + grad + optimizer bytes of each rank."""
-        return [m["param_bytes"] + m["grad_bytes"] + m["optim_bytes"] for m in self.info["memory"]["per_rank"]]
+        return state_bytes_per_rank(self.info)
 
     def cuda_peak(self) -> int | None:
         peaks = [m.get("cuda_peak_bytes") for m in self.info["memory"]["per_rank"]]
         return max(peaks) if all(p is not None for p in peaks) and peaks else None
+
+
+def state_bytes_per_rank(run_info: dict[str, Any]) -> list[int]:
+    """Parameter + gradient + optimizer-state bytes each rank held, from a run.json."""
+    return [m["param_bytes"] + m["grad_bytes"] + m["optim_bytes"] for m in run_info["memory"]["per_rank"]]
 
 
 def load_run(path: str) -> Run:

@@ -12,7 +12,6 @@ second before torchrun starts any worker.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import importlib.util
 from dataclasses import dataclass, fields
 
@@ -143,7 +142,7 @@ class Config:
     # ------------------------------------------------------------------ checks
     def check(self, *, world_size: int | None = None, device_type: str | None = None) -> "Config":
         """Raise ConfigError for the first bad value; `world_size` adds the checks that depend on it, and
-        `device_type` (a worker knows it: "cpu" or "cuda") replaces the guess of `runs_on_cpu`."""
+        `device_type` ("cpu" or "cuda": a worker knows it, the preflight guesses it) settles --device auto."""
 
         def need(ok: bool, flag: str, problem: str) -> None:
             if not ok:
@@ -183,7 +182,7 @@ class Config:
             "checkpoint-every",
             f"must be 0 (never) or positive, got {self.checkpoint_every}",
         )
-        self.check_observability(on_cpu=self.runs_on_cpu if device_type is None else device_type == "cpu")
+        self.check_observability(on_cpu=(device_type or self.device) == "cpu")
         need(self.keep >= 0, "keep", f"must be 0 (keep all) or positive, got {self.keep}")
         need(self.threads >= 0, "threads", f"must be 0 (automatic) or positive, got {self.threads}")
         need(self.timeout_s >= 1, "timeout-s", f"must be at least 1 second, got {self.timeout_s}")
@@ -205,12 +204,6 @@ class Config:
         if world_size is not None:
             self.check_world_size(world_size)
         return self
-
-    @property
-    def runs_on_cpu(self) -> bool:
-        """--device cpu, or auto on a machine without an NVIDIA device node (known without importing torch; the
-        workers ask torch.cuda again)."""
-        return self.device == "cpu" or (self.device == "auto" and not glob.glob("/dev/nvidia[0-9]*"))
 
     def check_observability(self, *, on_cpu: bool) -> None:
         a, _, b = self.profile_steps.partition(":")

@@ -64,7 +64,7 @@ def setup_distributed(*, device: str = "auto", timeout_s: int = 300, threads: in
     timeout = timedelta(seconds=timeout_s)
     device_id = dev if use_cuda else None
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun's agent (torch 2.14.1, 2.15.0) hosts the store at MASTER_ADDR:MASTER_PORT and keeps the
+        # torchrun's agent (torch 2.14.1) hosts the store at MASTER_ADDR:MASTER_PORT and keeps the
         # same one when it restarts the workers (--max-restarts). Keys the failed attempt wrote (each rank's
         # address) would then be read by the new attempt, whose ranks dial dead ports until the timeout. A
         # prefix per attempt keeps the attempts apart.
@@ -118,9 +118,9 @@ _LAST_MEETING: list[object] = []  # teardown_distributed's collective, kept unti
 def teardown_distributed() -> None:
     """Leave the process group; call it in `finally`. After a clean run the ranks first meet, so that none tears
     down its communicator while another still uses it; after an error they don't (the others may never come).
-    The meeting is an all-reduce whose handle the process keeps until it exits: with gloo (torch 2.14.1,
-    2.15.0) a barrier, or a dropped handle, can leave gloo's thread to release the last collective during
-    interpreter shutdown, and the finished run aborts (docs/troubleshooting.md, "Clean exits", says why)."""
+    The meeting is an all-reduce whose handle the process keeps until it exits: with gloo (torch 2.14.1) a
+    barrier, or a dropped handle, can leave gloo's thread to release the last collective during interpreter
+    shutdown, and the finished run aborts (docs/troubleshooting.md, "Clean exits", says why)."""
     if not dist.is_initialized():
         return
     if sys.exc_info()[1] is None:  # inside `finally`: None unless an exception is on its way out

@@ -83,9 +83,9 @@ else
     # (every RDZV_KEEP_ALIVE_S) have stopped for 3 intervals: until then it still counts as a member.
     TORCHRUN_ARGS+=(--rdzv-conf "join_timeout=${RDZV_JOIN_TIMEOUT_S:-600},last_call_timeout=$RDZV_LAST_CALL_S,close_timeout=10,keep_alive_interval=$RDZV_KEEP_ALIVE_S")
     # A machine that joins a running group would wait for ever for the rendezvous' MASTER_ADDR: an agent
-    # that already ran a round keeps its first round's store address and does not publish it again
-    # (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py, next_rendezvous). Without the shared
-    # store every round publishes its own, and the newcomer is taken in.
+    # that already ran a round keeps its first round's store address and does not publish it again (torch
+    # 2.14.1: torch/distributed/elastic/rendezvous/dynamic_rendezvous.py, next_rendezvous). Without the
+    # shared store every round publishes its own, and the newcomer is taken in.
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     # Every start of an elastic job continues the run in --out: torchrun restarts the workers when a machine
     # joins without counting a restart (TORCHELASTIC_RESTART_COUNT stays 0), so only --resume tells them to

@@ -24,7 +24,7 @@ def available_mib() -> int | None:
 
 
 def check_memory(nproc: int, *, on_cpu: bool) -> None:
-    """ConfigError when `nproc` CPU processes cannot fit in the available memory (`on_cpu`: Config.runs_on_cpu)."""
+    """ConfigError when `nproc` CPU processes cannot fit in the available memory (`on_cpu`: preflight.runs_on_cpu)."""
     available = available_mib()
     if available is None or not on_cpu:
         return

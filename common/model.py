@@ -1,4 +1,5 @@
-"""BabyCNN: the one model every strategy trains, and the explicit cut the pipeline uses.
+"""BabyCNN: the one model every strategy trains, and its blocks (FSDP's units). Its pipeline cut is in
+common/pipeline_layout.py.
 
 BabyCNN is an `nn.Sequential` of named layers, so a parameter has the same name (`conv2.weight`,
 `fc1.bias`, ...) in the whole model, in a DDP/FSDP-wrapped model and in any pipeline stage. That is what
@@ -69,34 +70,3 @@ def build_model(*, seed: int, in_channels: int, image_size: int, num_classes: in
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return BabyCNN(in_channels=in_channels, image_size=image_size, num_classes=num_classes, dropout=dropout)
-
-
-# Where the pipeline cuts BabyCNN into n stages: stage i runs the layers from STAGE_STARTS[n][i] up to
-# the next start. Two rules shape the table: `flatten` always *opens* a stage (its output is a view, and
-# the zero-bubble schedules reject a stage output that is a view), and `dropout` never ends one (in eval
-# mode it returns its input itself). conv2 holds ~88% of the FLOPs, so no cut balances the stages well;
-# the cuts below are chosen to be easy to read, and the bubble measurements show what imbalance costs.
-STAGE_STARTS: dict[int, tuple[str, ...]] = {
-    1: ("conv1",),
-    2: ("conv1", "flatten"),
-    3: ("conv1", "conv2", "flatten"),
-    4: ("conv1", "conv2", "flatten", "fc2"),
-    5: ("conv1", "conv2", "norm", "flatten", "fc2"),
-    6: ("conv1", "conv2", "norm", "pool", "flatten", "fc2"),
-    7: ("conv1", "relu1", "conv2", "norm", "pool", "flatten", "fc2"),
-    8: ("conv1", "relu1", "conv2", "norm", "relu2", "pool", "flatten", "fc2"),
-}
-MAX_STAGES = max(STAGE_STARTS)
-
-
-def split_model(model: BabyCNN, n_stages: int) -> list[nn.Sequential]:
-    """Cut `model` into `n_stages` consecutive stages (see STAGE_STARTS). The stages share the model's
-    layers (no copy), and each stage keeps the layer names, so `stage.state_dict()` keys match the model's."""
-    if n_stages not in STAGE_STARTS:
-        raise ValueError(f"BabyCNN can be cut into 1 to {MAX_STAGES} stages, not {n_stages}")
-    names = list(model._modules)
-    starts = [names.index(name) for name in STAGE_STARTS[n_stages]] + [len(names)]
-    return [
-        nn.Sequential(OrderedDict((name, model._modules[name]) for name in names[a:b]))
-        for a, b in zip(starts, starts[1:])
-    ]

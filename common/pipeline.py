@@ -1,5 +1,6 @@
-"""The parts of pipeline training that are not the pipeline itself: the schedule table, compiling a stage, the
-cut described, and a forward-only walk through the stages for evaluation where the schedule cannot do it.
+"""The parts of pipeline training that are not the pipeline itself: the schedule table, the cut (where is in
+common/pipeline_layout.py), compiling a stage, and a forward-only walk through the stages for evaluation where
+the schedule cannot do it.
 
 train_pippy.py keeps the strategy lines (the cut, the stages, the schedule, the loop); where the stages live
 is common/pipeline_layout.py, and when each action ran (the bubble, the timeline) common/pipeline_actions.py.
@@ -7,6 +8,7 @@ is common/pipeline_layout.py, and when each action ran (the bubble, the timeline
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable, Sequence
 
 import torch
@@ -24,7 +26,7 @@ from torch.distributed.pipelining import (
 
 from common.compiling import require_compiler
 from common.distributed import collective_device
-from common.pipeline_layout import SINGLE_STAGE_SCHEDULES, PipelineLayout
+from common.pipeline_layout import MAX_STAGES, SINGLE_STAGE_SCHEDULES, STAGE_STARTS, PipelineLayout
 
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,  # all forwards, then all backwards (fill, drain)
@@ -54,8 +56,8 @@ def compile_stages(modules: list[nn.Module], device: torch.device) -> None:
     """Compile each pipeline stage's forward, with the gradients it returns for its inputs made contiguous.
 
     A stage's input gradients are sent to the previous stage into a buffer laid out like the first one;
-    inductor (torch 2.14.1) may return them in another layout (a strided view), which gloo refuses to send or
-    receive.
+    inductor may return them in another layout, a strided view, which gloo refuses to send or receive (seen
+    with torch 2.15.0; 2.14.1 returned contiguous ones in the suite's configurations).
     The pre-hook that fixes the layout runs eagerly, outside the graph, so only `forward` is compiled.
     """
     require_compiler(device.type)
@@ -75,6 +77,19 @@ def compile_stages(modules: list[nn.Module], device: torch.device) -> None:
     for module in modules:
         module.register_forward_pre_hook(contiguous_input_grads)
         module.forward = torch.compile(module.forward)
+
+
+def split_model(model: nn.Module, n_stages: int) -> list[nn.Sequential]:
+    """Cut `model` into `n_stages` consecutive stages (see STAGE_STARTS). The stages share the model's
+    layers (no copy), and each stage keeps the layer names, so `stage.state_dict()` keys match the model's."""
+    if n_stages not in STAGE_STARTS:
+        raise ValueError(f"BabyCNN can be cut into 1 to {MAX_STAGES} stages, not {n_stages}")
+    names = list(model._modules)
+    starts = [names.index(name) for name in STAGE_STARTS[n_stages]] + [len(names)]
+    return [
+        nn.Sequential(OrderedDict((name, model._modules[name]) for name in names[a:b]))
+        for a, b in zip(starts, starts[1:])
+    ]
 
 
 def describe_cut(pieces: Sequence[nn.Module], layout: PipelineLayout) -> str:

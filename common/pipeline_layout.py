@@ -1,6 +1,7 @@
 """Where a pipeline's stages live, in one object: how many ranks a pipeline has, how many stages, which rank
-holds which stage, and whether a layout can run at all. The config's checks, train_pippy.py, evaluation and
-the reports all read it. No torch here, so the preflight checks a layout before torchrun starts.
+holds which stage, and whether a layout can run at all; and where BabyCNN is cut into stages. The config's
+checks, train_pippy.py, evaluation and the reports all read it. No torch here, so the preflight checks a
+layout before torchrun starts.
 """
 
 from __future__ import annotations
@@ -16,7 +17,24 @@ if TYPE_CHECKING:
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # exactly one stage per rank
 V_SCHEDULES = ("zbv", "dualpipev")  # exactly two stages per rank, placed in a V
 SPLIT_BACKWARD_SCHEDULES = ("interleaved-zb", "zbv", "dualpipev")  # input- and weight-gradient passes apart
-MAX_STAGES = 8  # BabyCNN can be cut into 1..8 stages (common/model.py STAGE_STARTS; a test keeps them equal)
+
+# Where the pipeline cuts BabyCNN into n stages: stage i runs the layers from STAGE_STARTS[n][i] up to
+# the next start. `flatten` always *opens* a stage: its output is a view, and the zero-bubble schedules reject
+# a stage output that is a view (torch 2.14.1: "Failed to run stage backward input"). `dropout` never ends one,
+# as a precaution: in eval mode it returns its input itself (torch 2.14.1 trains and evaluates either way).
+# conv2 holds ~88% of the FLOPs, so no cut balances the stages well; the cuts below are chosen to be easy to
+# read, and the bubble measurements show what imbalance costs.
+STAGE_STARTS: dict[int, tuple[str, ...]] = {
+    1: ("conv1",),
+    2: ("conv1", "flatten"),
+    3: ("conv1", "conv2", "flatten"),
+    4: ("conv1", "conv2", "flatten", "fc2"),
+    5: ("conv1", "conv2", "norm", "flatten", "fc2"),
+    6: ("conv1", "conv2", "norm", "pool", "flatten", "fc2"),
+    7: ("conv1", "relu1", "conv2", "norm", "pool", "flatten", "fc2"),
+    8: ("conv1", "relu1", "conv2", "norm", "relu2", "pool", "flatten", "fc2"),
+}
+MAX_STAGES = max(STAGE_STARTS)
 
 
 @dataclass(frozen=True)

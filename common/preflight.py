@@ -12,19 +12,47 @@ only when it has to download, so a normal launch pays ~0.1 s for it.
 
 from __future__ import annotations
 
+import glob
+import json
+import os
 import sys
 from typing import Sequence
 
 from common.cli import parse_config
 from common.compiling import require_compiler
-from common.config import STRATEGIES, ConfigError
+from common.config import STRATEGIES, Config, ConfigError
 from common.data_files import DataMissingError, ensure_data
 from common.errors import fail
 from common.memory import check_memory
-from common.runs import check_resume, finished_line, latest_meta, moved_line, set_aside
+from common.runs import already_done, check_resume, complete_checkpoints, moved_line, set_aside, total_steps
 
 # Exit status for "the run is already finished": the runner exits 0 without starting torchrun.
 NOTHING_TO_DO = 3
+
+
+def runs_on_cpu(cfg: Config) -> bool:
+    """--device cpu, or auto on a machine without an NVIDIA device node: known without importing torch (the
+    workers ask torch.cuda, and check again)."""
+    return cfg.device == "cpu" or (cfg.device == "auto" and not glob.glob("/dev/nvidia[0-9]*"))
+
+
+def latest_meta(out_dir: str) -> dict | None:
+    """meta.json of the newest committed checkpoint that has a readable one, or None."""
+    for _, path in reversed(complete_checkpoints(out_dir)):
+        try:
+            with open(os.path.join(path, "meta.json")) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            continue  # the worker reports the damage and falls back to the previous checkpoint
+    return None
+
+
+def finished_line(cfg: Config, meta: dict) -> str:
+    """ "already at step N of N" when the checkpoint `meta` ends the run `cfg` asks for, else ""."""
+    if "steps_per_epoch" not in meta:
+        return ""
+    steps = total_steps(cfg, meta["steps_per_epoch"])
+    return already_done(cfg.out, meta["step"], steps) if meta["step"] >= steps else ""
 
 
 def _take(args: list[str], flag: str, *, has_value: bool = True) -> str | None:
@@ -50,10 +78,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         for world_size in world_sizes:
             cfg = parse_config(strategy, rest, world_size=world_size)
+        cfg.check(device_type="cpu" if runs_on_cpu(cfg) else "cuda")  # the checks that --device auto deferred
         if cfg.compile and cfg.device == "cpu":  # (with --device auto the workers check, once torch is loaded)
             require_compiler("cpu")
         if nproc is not None:
-            check_memory(int(nproc), on_cpu=cfg.runs_on_cpu)
+            check_memory(int(nproc), on_cpu=runs_on_cpu(cfg))
         # --resume: a setting that would change the run's curve is refused before anything else happens
         meta = latest_meta(cfg.out) if cfg.resume else None
         if meta:

@@ -1,13 +1,6 @@
 """Everything a run reports, in one object: `<out>/metrics.jsonl` and the console's progress lines, TensorBoard
-(--tensorboard), the profiler (--profile-steps), each rank's memory, `<out>/run.json` and the final line.
-
-metrics.jsonl has one JSON object per line:
-    {"kind": "train", "step", "loss", "lr", "grad_norm", "samples_per_s", "step_time_s"}   every optimizer step
-    {"kind": "eval", "step", "test_loss", "test_accuracy"}                    for every evaluation
-`loss` is the mean over the whole global batch (reduced across ranks); evaluations cover the whole test
-set; `grad_norm` is the global L2 norm of the whole model's gradient before clipping (--max-grad-norm).
-run.json describes the run (strategy, world, config), its final numbers and each rank's memory; a strategy
-adds its own sections (FSDP's mesh and memory theory, the pipeline's layout and bubble).
+(--tensorboard), the profiler (--profile-steps), each rank's memory, `<out>/run.json` and the final line. The
+records and their meaning: the README, "What a run writes".
 """
 
 from __future__ import annotations
@@ -73,8 +66,6 @@ class RunRecorder:
         loss is reduced over all ranks, so every rank stops together)."""
         step_time_s = time.perf_counter() - self.step_started
         check_finite(loss, step)
-        if self.profiler:
-            self.profiler.step_end(step)
         samples = self.cfg.batch_size
         self.samples += samples
         self.train_time += step_time_s
@@ -87,14 +78,17 @@ class RunRecorder:
             "samples_per_s": samples / step_time_s,
             "step_time_s": step_time_s,
         }
-        self._write(self.last_train)
-        if self.logs and (step % self.cfg.log_every == 0 or step == self.total_steps):
-            eta = (time.perf_counter() - self.started) / (step - self.start_step) * (self.total_steps - step)
-            print(
-                f"step {step:>5}/{self.total_steps} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
-                f"{self.samples / self.train_time:7.0f} samples/s | ETA {_clock(eta)}",
-                flush=True,
-            )
+        with self.span("metrics"):  # the profiled step includes what recording it costs
+            self._write(self.last_train)
+            if self.logs and (step % self.cfg.log_every == 0 or step == self.total_steps):
+                eta = (time.perf_counter() - self.started) / (step - self.start_step) * (self.total_steps - step)
+                print(
+                    f"step {step:>5}/{self.total_steps} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
+                    f"{self.samples / self.train_time:7.0f} samples/s | ETA {_clock(eta)}",
+                    flush=True,
+                )
+        if self.profiler:
+            self.profiler.step_end(step)
 
     def eval(self, step: int, test_loss: float, test_accuracy: float) -> None:
         self.last_eval = {"kind": "eval", "step": step, "test_loss": test_loss, "test_accuracy": test_accuracy}

@@ -1,5 +1,5 @@
 """Run folders: what a resume may change, and never losing a previous run. No torch here, so the
-preflight (common/preflight.py) can do all of it before torchrun starts a worker.
+preflight (common/preflight.py) does the same checks before torchrun starts a worker.
 
 A checkpoint's meta.json records the run's config and its steps per epoch (common/checkpoint.py). On
 `--resume`, a setting that decides the trajectory must equal the recorded one, or the curve in
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import re
 
@@ -63,17 +62,6 @@ def fingerprint(file: str) -> dict[str, object]:
     return {"bytes": os.path.getsize(file), "sha256": digest.hexdigest()}
 
 
-def latest_meta(out_dir: str) -> dict | None:
-    """meta.json of the newest committed checkpoint that has a readable one, or None."""
-    for _, path in reversed(complete_checkpoints(out_dir)):
-        try:
-            with open(os.path.join(path, "meta.json")) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            continue  # the worker reports the damage and falls back to the previous checkpoint
-    return None
-
-
 def recorded_config(cfg: Config, steps_per_epoch: int) -> dict:
     """What a checkpoint records about the run (meta.json "config" and "steps_per_epoch")."""
     return {"config": dataclasses.asdict(cfg), "steps_per_epoch": steps_per_epoch}
@@ -112,14 +100,6 @@ def total_steps(cfg: Config, steps_per_epoch: int) -> int:
 
 def already_done(out_dir: str, step: int, steps: int) -> str:
     return f"{out_dir}: already at step {step} of {steps}; nothing to train (raise --max-steps or --epochs)"
-
-
-def finished_line(cfg: Config, meta: dict) -> str:
-    """ "already at step N of N" when the checkpoint `meta` ends the run `cfg` asks for, else ""."""
-    if "steps_per_epoch" not in meta:
-        return ""
-    steps = total_steps(cfg, meta["steps_per_epoch"])
-    return already_done(cfg.out, meta["step"], steps) if meta["step"] >= steps else ""
 
 
 def holds_a_run(out_dir: str) -> bool:

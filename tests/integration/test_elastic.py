@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from common.runs import latest_meta
+from common.preflight import latest_meta
 from tests.helpers import (
     ROOT,
     SMALL,

@@ -209,13 +209,14 @@ def test_bf16_runs_and_learns(runs):
 
 
 def test_model_pt_is_the_trained_model_for_a_plain_babycnn(runs):
+    from common.config import Config
     from common.data import load_dataset, to_device_batch
     from common.model import BabyCNN
 
     out = runs["adamw_full"]
     model = BabyCNN()
     model.load_state_dict(torch.load(out / "model.pt", weights_only=True))  # strict: every key, right shapes
-    data = load_dataset("digits", seed=0, train_size=1536, test_size=256)
+    data = load_dataset(Config(train_size=1536, test_size=256))
     images, labels = to_device_batch(data.test, torch.arange(len(data.test)), data, torch.device("cpu"))
     with torch.no_grad():
         hits = (model.eval()(images).argmax(dim=1) == labels).sum().item()

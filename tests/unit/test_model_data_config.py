@@ -5,8 +5,11 @@ import torch
 
 from common.cli import build_parser, parse_config
 from common.config import SCHEDULES, Config, ConfigError
-from common.data import GlobalBatchSampler, longest_shard, make_digits, shard_range
-from common.model import MAX_STAGES, STAGE_STARTS, BabyCNN, build_model, split_model
+from common.data import GlobalBatchSampler, longest_shard, shard_range
+from common.digits import make_digits
+from common.model import BabyCNN, build_model
+from common.pipeline import split_model
+from common.pipeline_layout import MAX_STAGES, STAGE_STARTS
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -94,15 +97,15 @@ def test_shard_range_balances_and_covers():
 
 # ---------------------------------------------------------------------------------------------- data
 def test_digits_are_deterministic_balanced_and_distinct_between_splits():
-    a, b = make_digits(600, seed=0), make_digits(600, seed=0)
-    assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels)
-    assert a.images.shape == (600, 1, 28, 28) and a.images.dtype == torch.uint8
-    assert not torch.equal(make_digits(600, seed=1).images, a.images)
-    assert not torch.equal(make_digits(600, seed=0, test=True).images, a.images)
-    counts = torch.bincount(a.labels, minlength=10)
+    (images, labels), (images_b, labels_b) = make_digits(600, seed=0), make_digits(600, seed=0)
+    assert torch.equal(images, images_b) and torch.equal(labels, labels_b)
+    assert images.shape == (600, 1, 28, 28) and images.dtype == torch.uint8
+    assert not torch.equal(make_digits(600, seed=1)[0], images)
+    assert not torch.equal(make_digits(600, seed=0, test=True)[0], images)
+    counts = torch.bincount(labels, minlength=10)
     assert counts.min() > 30  # every digit present, roughly balanced
     # images of the same digit vary (position, shape, noise): they are not copies of a template
-    ones = a.images[a.labels == 1].float()
+    ones = images[labels == 1].float()
     assert (ones[0] - ones[1]).abs().mean() > 5
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import common.data
+import common.digits
 from common.cli import parse_config
 from common.distributed import setup_distributed, teardown_distributed
 from tests.helpers import rewind
@@ -28,7 +28,7 @@ from tests.integration.workers.seeding import check_seeding
 
 # The built-in data set is a pure function of its arguments, and no run writes into it (to_device_batch
 # gathers copies): built once per process instead of once per run, it saves ~0.15 s of every run on every rank.
-common.data.make_digits = functools.cache(common.data.make_digits)
+common.digits.make_digits = functools.cache(common.digits.make_digits)
 
 
 def main() -> None:
