@@ -1,7 +1,7 @@
 """The benchmark itself, on tiny settings: it launches real runs (the suite's DDP on 1 and 2 processes, the
 conventional baseline on 2) and writes a JSON whose numbers are real, positive and consistent with each
-other and with the runs' own metrics. Nothing here asserts a speed: timing belongs in the benchmark's
-output, not in a pass/fail."""
+other, with the runs' own metrics and with the 1-process run's profiler trace. Nothing here asserts a speed:
+timing belongs in the benchmark's output, not in a pass/fail."""
 
 import json
 import math
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.benchmark import pipeline_ceiling
+from bench.ceilings import pipeline_ceiling
 from tests.helpers import read_metrics, run_command
 
 
@@ -18,7 +18,9 @@ from tests.helpers import read_metrics, run_command
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     run_command([sys.executable, "-m", "bench", "--quick", "--out", str(out)], timeout=240)
-    assert (out / "bench.md").read_text().count("\n| ddp | fp32 |") == 2
+    markdown = (out / "bench.md").read_text()
+    assert markdown.count("\n| ddp | fp32 |") == 2
+    assert "Where a step goes (profiler spans of a real `train_ddp.py` run)" in markdown
     return json.loads((out / "bench.json").read_text())
 
 
@@ -40,6 +42,7 @@ def test_every_launch_ran_and_its_numbers_agree_with_its_metrics(report):
     runs = report["runs"]
     assert [(r["strategy"], r["nproc"]) for r in runs] == [("ddp", 1), ("baseline", 2), ("ddp", 2)]
     batch, warmup = report["settings"]["batch_size"], report["settings"]["warmup_steps"]
+    last_timed = warmup + report["settings"]["timed_steps"]  # the 1-process DDP run profiles steps after it
     for r in runs:
         assert r["ok"], r.get("error")
         st = r["step_time_s"]
@@ -47,7 +50,7 @@ def test_every_launch_ran_and_its_numbers_agree_with_its_metrics(report):
         assert 0 < st["min"] <= st["p10"] <= st["median"] <= st["p90"] <= st["max"]
         # samples/s is the global batch over the mean step time of the timed steps, read from metrics.jsonl
         train, _ = read_metrics(Path(r["out"]))
-        timed = [train[s]["step_time_s"] for s in sorted(train) if s > warmup]
+        timed = [train[s]["step_time_s"] for s in sorted(train) if warmup < s <= last_timed]
         assert r["samples_per_s"] == pytest.approx(batch * len(timed) / sum(timed))
         assert st["mean"] == pytest.approx(sum(timed) / len(timed))
         # the launch came before the first step, which came before the end of the run
@@ -64,10 +67,21 @@ def test_every_launch_ran_and_its_numbers_agree_with_its_metrics(report):
     assert 0 <= ddp1["test_accuracy"] <= 1
 
 
-def test_step_breakdown_shares_add_up(report):
-    (loop,) = report["loop_breakdown"]
-    assert sum(loop["share"].values()) == pytest.approx(1, abs=1e-6)
-    assert all(0 < v < 1 for v in loop["share"].values())
+def test_step_breakdown_is_the_1_process_ddp_runs_profiled_steps(report):
+    (breakdown,) = report["step_breakdown"]
+    ddp1 = report["runs"][0]
+    # taken from the DDP 1-process run's own trace, of steps after its timed ones (the first left out)
+    assert (breakdown["run"], breakdown["command"]) == ("ddp", ddp1["command"])
+    trace = Path(breakdown["trace"])
+    assert trace.is_file() and trace.is_relative_to(ddp1["out"])
+    first, last = breakdown["profiled_steps"]
+    assert first == report["settings"]["warmup_steps"] + report["settings"]["timed_steps"] + 1
+    assert breakdown["steps"] == list(range(first + 1, last + 1))
+    assert breakdown["batch_size"] == report["settings"]["batch_size"]
+    assert sum(breakdown["share"].values()) == pytest.approx(1, abs=1e-6)
+    assert all(0 <= v < 1 for v in breakdown["share"].values())
+    assert breakdown["share"]["forward"] > 0 and breakdown["share"]["backward"] > 0
+    assert breakdown["median_ms"]["forward"] > 0 and breakdown["median_ms"]["backward"] > 0
     assert report["scaling"]["ddp"].keys() == {"1", "2"}
 
 

@@ -1,0 +1,195 @@
+"""What the benchmark launches: one RunSpec per run (a strategy, a process count, its flags, its launcher) and
+the plans, the default one and the smoke test's. No torch here, and nothing is launched: tests check every
+planned run against the scripts' own flag checks in seconds."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from bench.machine import CORES
+from common.config import SCHEDULES, SHARDINGS
+from common.pipeline_layout import SINGLE_STAGE_SCHEDULES
+
+PROFILED_STEPS = 11  # profiled after the timed steps, for the step breakdown; the first is left out
+QUICK_PROFILED_STEPS = 3
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every launch of one benchmark shares."""
+
+    batch_size: int  # the global batch, unless a run sets its own
+    warmup: int  # steps before the timed ones
+    timed: int  # the steps that samples/s and the step times are taken over
+    test_size: int  # the short runs' test set (evaluated after training)
+    train_size: int = 0  # the data set of the short runs; 0: the scripts' default
+
+
+@dataclass
+class RunSpec:
+    name: str  # the row's label
+    strategy: str  # ddp, fsdp, pippy, baseline
+    nproc: int
+    args: list[str] = field(default_factory=list)  # the run's own flags
+    precision: str = "fp32"
+    launcher: str = "torchrun"  # python (1 process), torchrun, run_ddp.sh
+    full: bool = False  # the default-length run: its test accuracy counts
+    scaling: bool = False  # a run the acceptance compares: launched --repeats times, in rounds
+    batch_size: int = 0  # this run's global batch; 0: the benchmark's
+    threads: int = 0  # --threads; 0: the scripts' default (cores / local processes)
+    profile_steps: int = 0  # steps profiled after the timed ones, for the step breakdown (train_ddp.py only)
+
+    def __post_init__(self) -> None:
+        if self.profile_steps and (self.full or self.strategy == "baseline"):
+            raise ValueError(f"{self.name}: only a short run of a suite script can profile steps after its timed ones")
+
+    @property
+    def script(self) -> str:
+        return {"ddp": "train_ddp.py", "fsdp": "train_fsdp.py", "pippy": "train_pippy.py"}.get(self.strategy, "")
+
+    @property
+    def folder(self) -> str:
+        return f"{self.name}_{self.precision}_x{self.nproc}"
+
+    def global_batch(self, s: Settings) -> int:
+        return self.batch_size or s.batch_size
+
+    def profiled(self, s: Settings) -> tuple[int, int] | None:
+        """The steps --profile-steps profiles: the `profile_steps` after the timed ones, which they leave alone."""
+        last_timed = s.warmup + s.timed
+        return (last_timed + 1, last_timed + self.profile_steps) if self.profile_steps else None
+
+    def flags(self, s: Settings) -> list[str]:
+        """Every flag of the launch but --out."""
+        own = [
+            *self.args,
+            *(["--precision", self.precision] if self.precision != "fp32" else []),
+            *(["--threads", str(self.threads)] if self.threads else []),
+        ]
+        batch = ["--batch-size", str(self.global_batch(s))]
+        if self.full:
+            return [*own, *batch]
+        # Every run builds the default data set (train_size 0): its size changes the allocator's history, and
+        # that changes the step time (see keep_freed_memory); the quick smoke test builds a small one.
+        data = ["--train-size", str(s.train_size)] if s.train_size else []
+        steps = ["--max-steps", str(s.warmup + s.timed + self.profile_steps)]
+        if self.strategy == "baseline":
+            return [*own, *steps, *batch, *data]
+        profiled = self.profiled(s)
+        # A profiled run also evaluates right before its profiled steps, and launch_and_watch reads its peak RSS
+        # up to that evaluation: training and one evaluation, as in an unprofiled run, not the profiler's buffers.
+        profile = (
+            ["--profile-steps", f"{profiled[0]}:{profiled[1]}", "--eval-every", str(profiled[0] - 1)]
+            if profiled
+            else []
+        )
+        return [*own, *steps, *batch, "--log-every", "100000", "--test-size", str(s.test_size), *data, *profile]
+
+    def command(self, s: Settings, out: Path) -> list[str]:
+        args = [*self.flags(s), "--out", str(out)]
+        if self.launcher == "run_ddp.sh":
+            return ["bash", "run_ddp.sh", *args]
+        target = ["-m", "bench.baseline"] if self.strategy == "baseline" else [self.script]
+        if self.nproc == 1 and self.launcher != "torchrun":
+            return [sys.executable, *target, *args]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(self.nproc)]
+        return [*torchrun, *target, *args]
+
+
+def schedule_flags(schedule: str, *, pipeline_ranks: int) -> list[str]:
+    """A pipeline schedule and what its layout needs (common/pipeline_layout.py checks it): one stage per rank
+    for gpipe and 1F1B, two for the others; dualpipev at least a micro-batch per stage."""
+    if schedule in SINGLE_STAGE_SCHEDULES:
+        return ["--schedule", schedule]
+    flags = ["--schedule", schedule, "--stages-per-rank", "2"]
+    if schedule == "dualpipev":
+        flags += ["--n-microbatches", str(2 * pipeline_ranks)]
+    return flags
+
+
+def quick_plan() -> list[RunSpec]:
+    """The smoke test's launches; the 1-process DDP run also gives the step breakdown."""
+    return [
+        RunSpec("ddp", "ddp", 1, launcher="python", profile_steps=QUICK_PROFILED_STEPS),
+        RunSpec("baseline", "baseline", 2),
+        RunSpec("ddp", "ddp", 2),
+    ]
+
+
+def default_plan(
+    procs: Sequence[int],
+    *,
+    batch_size: int = 128,
+    modes_procs: int,
+    full_runs: bool,
+    threads_check: bool,
+    bf16: bool,
+    more_bf16: bool = False,
+) -> list[RunSpec]:
+    """The runs of the benchmark. Scaling (every process count in `procs`) for the baseline, DDP, FSDP (full)
+    and the pipeline (1F1B); every other FSDP mode and pipeline schedule on `modes_procs` processes. The
+    1-process DDP run, and one rank's share of the largest DDP run on a process of its own, profile their last
+    steps for the step breakdown."""
+    n = max(procs)
+    plan: list[RunSpec] = []
+    for p in procs:
+        launcher = "python" if p == 1 else "torchrun"
+        plan.append(RunSpec("baseline", "baseline", p, launcher=launcher, scaling=True))
+        # at the largest count, as a user starts it (bash run_ddp.sh): its launch time is an acceptance line
+        ddp_launcher = "run_ddp.sh" if p == n and p > 1 else launcher
+        plan.append(
+            RunSpec("ddp", "ddp", p, launcher=ddp_launcher, scaling=True, profile_steps=PROFILED_STEPS if p == 1 else 0)
+        )
+        if bf16 and p == 1:  # right after its fp32 twin: the bf16 speed-up is a ratio of neighbours
+            plan.append(RunSpec("ddp", "ddp", 1, precision="bf16", launcher="python", scaling=True))
+        plan.append(RunSpec("fsdp full", "fsdp", p, ["--sharding", "full"], launcher=launcher, scaling=True))
+        if p > 1:  # a pipeline needs at least two ranks to be one
+            plan.append(RunSpec("pipeline 1f1b", "pippy", p, schedule_flags("1f1b", pipeline_ranks=p), scaling=True))
+        if p >= 4 and p % 2 == 0:
+            # two pipelines of p/2 stages, each on half the batch (on 4 processes: 2 micro-batches of 32, the
+            # size of the 4-stage pipeline's). With fewer cores than ranks, two heavy stages keep two cores busy.
+            replicas = ["--dp", "2", "--n-microbatches", str(max(2, p // 2))]
+            plan.append(
+                RunSpec(
+                    f"pipeline 1f1b, 2 replicas × {p // 2} stages",
+                    "pippy",
+                    p,
+                    [*schedule_flags("1f1b", pipeline_ranks=p // 2), *replicas],
+                    scaling=True,
+                )
+            )
+    if n > 1:
+        # what one rank of the largest DDP run does, alone: its share of the batch, on the threads it has there
+        plan.append(
+            RunSpec(
+                f"ddp, one rank's share of {n} processes",
+                "ddp",
+                1,
+                launcher="python",
+                batch_size=batch_size // n,
+                threads=max(1, CORES // n),
+                profile_steps=PROFILED_STEPS,
+            )
+        )
+    m = modes_procs
+    for sharding in SHARDINGS[1:]:
+        if sharding != "hybrid" or m % 2 == 0:
+            plan.append(RunSpec(f"fsdp {sharding}", "fsdp", m, ["--sharding", sharding]))
+    plan.append(RunSpec("fsdp full, a unit per block", "fsdp", m, ["--sharding", "full", "--shard-units", "blocks"]))
+    for schedule in SCHEDULES:
+        if schedule != "1f1b":
+            plan.append(RunSpec(f"pipeline {schedule}", "pippy", m, schedule_flags(schedule, pipeline_ranks=m)))
+    if bf16:
+        # the default run in bf16, all of it: its test accuracy is an acceptance line
+        plan.append(RunSpec("ddp", "ddp", n, precision="bf16", launcher="run_ddp.sh", full=full_runs))
+        if more_bf16:
+            plan.append(RunSpec("fsdp full", "fsdp", n, ["--sharding", "full"], precision="bf16"))
+            plan.append(
+                RunSpec("pipeline 1f1b", "pippy", n, schedule_flags("1f1b", pipeline_ranks=n), precision="bf16")
+            )
+    if threads_check and n > CORES:
+        plan.append(RunSpec(f"ddp, {CORES} threads/rank", "ddp", n, threads=CORES))
+    return plan
