@@ -165,7 +165,7 @@ def train(cfg: Config, env: DistEnv) -> None:
 
     # ---- training loop
     for step in recorder.steps():
-        actions.start_step()  # [PP] the step's window opens
+        actions.start_step()  # [PP] the step's window opens (the bubble is what the actions leave of it)
         lr = lr_at(step, cfg, last_step=steps)
         if optimizer:
             set_lr(optimizer, lr)
@@ -189,7 +189,7 @@ def train(cfg: Config, env: DistEnv) -> None:
         # [PP] The loss reaches every rank: the last-stage ranks hold their replica's mean, the others 0.
         # This all-reduce also ends the step's pipeline window on every rank at the same moment.
         dist.all_reduce(loss_sum)
-        actions.end_step()  # [PP]
+        actions.end_step()  # [PP] the window closes, at the same moment on every rank
         # [PP] Clip by the norm of the whole model, not of this rank's stages: the sums of squares are added
         # over the pipeline ranks (other stages) and, with --dp, the replicas (FSDP2 shards of each stage), so
         # every stage scales by the same factor. Every rank takes part, also one without parameters.

@@ -164,18 +164,21 @@ class RunRecorder:
 
 
 def _open_metrics(out_dir: str, *, keep_up_to: int):
-    """metrics.jsonl for writing. A resumed run keeps the records up to its first step and rewrites the rest, so
-    no step appears twice."""
+    """metrics.jsonl, to append to. A resumed run keeps the records up to its first step and drops the later
+    ones (a crash wrote them after the checkpoint it resumes from), so no step appears twice; the kept file
+    replaces the old one in one rename, so a crash here loses nothing."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "metrics.jsonl")
+    if not keep_up_to:
+        return open(path, "w")  # a new run (a previous one in --out was moved aside), or a restart from step 0
     keep = []
-    if keep_up_to and os.path.exists(path):
+    if os.path.exists(path):
         with open(path) as f:
             keep = [line for line in f if line.strip() and json.loads(line)["step"] <= keep_up_to]
-    file = open(path, "w")
-    file.writelines(keep)
-    file.flush()
-    return file
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+    return open(path, "a")
 
 
 def _bytes(tensors: Iterable[torch.Tensor]) -> int:
