@@ -13,6 +13,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint, set_aside_previous_run
@@ -38,6 +39,18 @@ def main(argv: list[str] | None = None) -> None:
         teardown_distributed()
 
 
+def apply_ddp(model: nn.Module, cfg: Config, env: DistEnv, *, init_sync: bool = True) -> DDP:
+    """[DDP] The wrap. python -m planner wraps with it too, on fake tensors (nothing to broadcast: init_sync=False)."""
+    # [DDP] Hooks all-reduce gradients during backward; .grad lives in DDP's buckets (one copy fewer).
+    device_ids = [env.local_rank] if env.device.type == "cuda" else None
+    model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True, init_sync=init_sync)
+    if cfg.compile:
+        # [DDP] Compile the wrapped model, as DDP's notes ask (docs/training.md): dynamo's DDPOptimizer then
+        # splits the graph at DDP's bucket boundaries, so each bucket still all-reduces during backward.
+        compile_modules([model], env.device)
+    return model
+
+
 def train(cfg: Config, env: DistEnv) -> None:
     log = RankLogger(env.is_main)
     log(f"DDP | {env.world_size} ranks on {env.device.type}/{env.backend} | torch {torch.__version__}")
@@ -51,19 +64,17 @@ def train(cfg: Config, env: DistEnv) -> None:
 
     # ---- model: the same initial weights on every rank, because they depend on the seed alone
     model = build_model(
+        size=cfg.model_size,
         seed=cfg.seed,
         in_channels=data.in_channels,
         image_size=data.image_size,
         num_classes=data.num_classes,
         dropout=cfg.dropout,
     ).to(env.device)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"BabyCNN {cfg.model_size}: {n_params:,} parameters")
     seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
-    # [DDP] Hooks all-reduce gradients during backward; .grad lives in DDP's buckets (one copy fewer).
-    model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None, gradient_as_bucket_view=True)
-    if cfg.compile:
-        # [DDP] Compile the wrapped model, as DDP's notes ask (docs/training.md): dynamo's DDPOptimizer then
-        # splits the graph at DDP's bucket boundaries, so each bucket still all-reduces during backward.
-        compile_modules([model], env.device)
+    model = apply_ddp(model, cfg, env)  # [DDP]
     optimizer = build_optimizer(model.parameters(), cfg)
 
     start_step = 0
@@ -84,7 +95,7 @@ def train(cfg: Config, env: DistEnv) -> None:
         log(already_done(cfg.out, start_step, steps))
         return
     # metrics.jsonl, the console, --tensorboard, --profile-steps, memory, run.json: all in the recorder
-    recorder = RunRecorder(cfg, env, start_step=start_step, total_steps=steps, logs=env.is_main)
+    recorder = RunRecorder(cfg, env, start_step=start_step, total_steps=steps, parameters=n_params, logs=env.is_main)
 
     def run_eval(step: int) -> None:
         model.eval()  # (dropout off)

@@ -13,9 +13,10 @@ import os
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from common.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint, set_aside_previous_run
@@ -25,8 +26,9 @@ from common.compiling import compile_modules
 from common.config import Config
 from common.data import GlobalBatchSampler, describe_data, load_dataset, to_device_batch
 from common.distributed import DistEnv, RankLogger, run, seed_everything, setup_distributed, teardown_distributed
-from common.model import blocks, build_model
-from common.recorder import RunRecorder, state_bytes_theory
+from common.model import BabyCNN, build_model
+from common.model_sizes import state_bytes_theory
+from common.recorder import RunRecorder
 from common.runs import already_done, total_steps
 from common.training import build_optimizer, evaluate, global_mean, lr_at, set_lr
 
@@ -41,29 +43,27 @@ def main(argv: list[str] | None = None) -> None:
         teardown_distributed()
 
 
-def train(cfg: Config, env: DistEnv) -> None:
-    log = RankLogger(env.is_main)
-    log(f"FSDP {cfg.sharding} | {env.world_size} ranks on {env.device.type}/{env.backend} | torch {torch.__version__}")
+def fsdp_units(model: BabyCNN) -> dict[str, list[nn.Module]]:
+    """[FSDP] The units of `--shard-units blocks`, by the layers each gathers: the features, then the classifier,
+    whole for baby, a layer at a time for the larger sizes. baby's fc1 holds 93% of its parameters, so layer by
+    layer would gather almost the same peak of full weights while paying 2.5x the collectives (hence also the
+    default, the whole model as one unit: --shard-units model)."""
+    names = list(model._modules)
+    cuts = [0, names.index("flatten"), *(i for i, name in enumerate(names) if name.startswith("hidden"))]
+    named = {"features": names[: cuts[1]]}
+    if len(cuts) == 2:
+        named["classifier"] = names[cuts[1] :]
+    else:
+        named["fc1"] = names[cuts[1] : cuts[2]]
+        for start, end in zip(cuts[2:], [*cuts[3:], len(names)]):
+            named[names[start]] = names[start:end]  # hiddenK and its ReLU (the last also takes fc2)
+    return {name: [model._modules[layer] for layer in layers] for name, layers in named.items()}
 
-    # ---- data: every rank holds the whole data set; the sampler gives each rank its slice of each batch
-    data = load_dataset(cfg, download=env.world_size == 1)  # (the runners download before torchrun starts)
-    sampler = GlobalBatchSampler(len(data.train), cfg.batch_size, seed=cfg.seed)
-    steps = total_steps(cfg, sampler.steps_per_epoch)
-    chunk_size = cfg.chunk_size(env.world_size)  # what this rank runs per accumulation step
-    log(describe_data(data, sampler, split=cfg.batch_split(env.world_size), steps=steps))
 
-    # ---- model: the same initial weights on every rank, because they depend on the seed alone
-    # [FSDP] Built whole on the CPU, then sharded (fully_shard moves each shard to the device): DDP's initial
-    # weights, so the curves compare. Big models use the meta device instead (docs/fsdp.md).
-    model = build_model(
-        seed=cfg.seed,
-        in_channels=data.in_channels,
-        image_size=data.image_size,
-        num_classes=data.num_classes,
-        dropout=cfg.dropout,
-    )
-    model_blocks = blocks(model)  # the units to shard, taken before a checkpoint wrapper hides the layers
-    seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
+def apply_fsdp(model: BabyCNN, cfg: Config, env: DistEnv) -> tuple[nn.Module, DeviceMesh]:
+    """[FSDP] The wrap: the device mesh, the policies, a fully_shard call per unit. Returns the model to train (in
+    a checkpoint wrapper with --activation-checkpointing) and the mesh. python -m planner shards with it too."""
+    units = fsdp_units(model)  # taken before a checkpoint wrapper hides the layers
     if cfg.activation_checkpointing:
         # [FSDP] Keep only the input for backward and recompute the activations, at the cost of a second
         # forward; the whole flat model is the span that pays (docs/fsdp.md). Checkpoint keys stay conv1.weight.
@@ -97,11 +97,40 @@ def train(cfg: Config, env: DistEnv) -> None:
         # per unit, with the collectives run eagerly between them, as torchtitan does per block.
         compile_modules([model], env.device)
     if cfg.shard_units == "blocks":
-        *first, last = model_blocks.values()
+        *first, last = units.values()
         for layers in first:
             fully_shard(layers, **shard_options)
         fully_shard(last, **{**shard_options, "reshard_after_forward": False})
     fully_shard(model, **shard_options)
+    return model, mesh
+
+
+def train(cfg: Config, env: DistEnv) -> None:
+    log = RankLogger(env.is_main)
+    log(f"FSDP {cfg.sharding} | {env.world_size} ranks on {env.device.type}/{env.backend} | torch {torch.__version__}")
+
+    # ---- data: every rank holds the whole data set; the sampler gives each rank its slice of each batch
+    data = load_dataset(cfg, download=env.world_size == 1)  # (the runners download before torchrun starts)
+    sampler = GlobalBatchSampler(len(data.train), cfg.batch_size, seed=cfg.seed)
+    steps = total_steps(cfg, sampler.steps_per_epoch)
+    chunk_size = cfg.chunk_size(env.world_size)  # what this rank runs per accumulation step
+    log(describe_data(data, sampler, split=cfg.batch_split(env.world_size), steps=steps))
+
+    # ---- model: the same initial weights on every rank, because they depend on the seed alone
+    # [FSDP] Built whole on the CPU, then sharded (fully_shard moves each shard to the device): DDP's initial
+    # weights, so the curves compare. Big models use the meta device instead (docs/fsdp.md).
+    model = build_model(
+        size=cfg.model_size,
+        seed=cfg.seed,
+        in_channels=data.in_channels,
+        image_size=data.image_size,
+        num_classes=data.num_classes,
+        dropout=cfg.dropout,
+    )
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"BabyCNN {cfg.model_size}: {n_params:,} parameters")
+    seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
+    model, mesh = apply_fsdp(model, cfg, env)  # [FSDP]
     optimizer = build_optimizer(model.parameters(), cfg)  # [FSDP] after sharding: it steps the local shards
 
     start_step = 0
@@ -114,7 +143,7 @@ def train(cfg: Config, env: DistEnv) -> None:
         log(already_done(cfg.out, start_step, steps))
         return
     # metrics.jsonl, the console, --tensorboard, --profile-steps, memory, run.json: all in the recorder
-    recorder = RunRecorder(cfg, env, start_step=start_step, total_steps=steps, logs=env.is_main)
+    recorder = RunRecorder(cfg, env, start_step=start_step, total_steps=steps, parameters=n_params, logs=env.is_main)
 
     def run_eval(step: int) -> None:
         model.eval()  # (dropout off)
@@ -163,9 +192,7 @@ def train(cfg: Config, env: DistEnv) -> None:
         torch.save(full_state, os.path.join(cfg.out, "model.pt.tmp"))
         os.replace(os.path.join(cfg.out, "model.pt.tmp"), os.path.join(cfg.out, "model.pt"))  # never half a file
     # [FSDP] The theory next to the measurement: the textbook's bytes per parameter, divided by the shards.
-    theory = state_bytes_theory(
-        sum(p.numel() for p in model.parameters()), shards=mesh["shard"].size(), optimizer=cfg.optimizer
-    )
+    theory = state_bytes_theory(n_params, shards=mesh["shard"].size(), optimizer=cfg.optimizer)
     mesh_shape = dict(zip(mesh.mesh_dim_names, mesh.shape))
     recorder.finish(model.parameters(), optimizer, memory_theory=theory, files=["model.pt"], mesh=mesh_shape)
 

@@ -81,15 +81,19 @@ def train(cfg: Config, env: DistEnv) -> None:
     # ---- model: build the whole model on every rank (the same initial weights as DDP for the same
     # seed), cut it, and keep only this rank's stages.
     model = build_model(
+        size=cfg.model_size,
         seed=cfg.seed,
         in_channels=data.in_channels,
         image_size=data.image_size,
         num_classes=data.num_classes,
         dropout=cfg.dropout,
     )
-    # [PP] The explicit cut (STAGE_STARTS in common/pipeline_layout.py). `flatten` always opens a stage: its
-    # output is a view, and the zero-bubble schedules (torch 2.14.1) fail on a stage whose output is a view.
-    pieces = split_model(model, layout.n_stages)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"BabyCNN {cfg.model_size}: {n_params:,} parameters")
+    # [PP] The explicit cut (common/model_sizes.py: a table for baby, stages of equal cost for the larger sizes).
+    # `flatten` always opens a stage: its output is a view, and the zero-bubble schedules (torch 2.14.1) fail on
+    # a stage whose output is a view.
+    pieces = split_model(model, layout.stage_starts)
     log(describe_cut(pieces, layout))
     shapes = stage_output_shapes(pieces, data.train.images[:1].float(), batch_size=chunk_size)  # for evaluation
     modules = {i: pieces[i].to(env.device) for i in my_stages}
@@ -136,7 +140,7 @@ def train(cfg: Config, env: DistEnv) -> None:
         log(already_done(cfg.out, start_step, steps))
         return
     # metrics.jsonl, the console, --tensorboard, --profile-steps, memory, run.json: all in the recorder
-    recorder = RunRecorder(cfg, env, start_step=start_step, total_steps=steps, logs=is_logger)
+    recorder = RunRecorder(cfg, env, start_step=start_step, total_steps=steps, parameters=n_params, logs=is_logger)
     # [PP] When each forward and backward ran on this rank: the bubble, the timeline, a span per action
     actions = StageActions(stages, device=env.device, span=recorder.span)
 

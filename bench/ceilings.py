@@ -89,20 +89,20 @@ def pipeline_ceiling(
     layers: Sequence[dict[str, Any]], *, stage_counts: Sequence[int], peak_one_thread_gflops: float
 ) -> dict[str, dict[str, Any]]:
     """The fastest a pipeline can train here with one thread per rank, per number of stages: its heaviest
-    stage (the scripts' own cut: split_model, STAGE_STARTS) runs on one core, at best at the 1-thread matmul
+    stage (the scripts' own cut: split_model, stage_starts) runs on one core, at best at the 1-thread matmul
     peak, and every sample passes through it. `layers` are model_flops()'s; layers without FLOPs count as
     free, so this is an upper bound. With r pipeline replicas on r or more cores the bound is r times this."""
     from common.model import build_model
+    from common.model_sizes import max_stages, stage_starts
     from common.pipeline import split_model
-    from common.pipeline_layout import STAGE_STARTS
 
     flops = {layer["layer"]: layer["forward"] + layer["backward"] for layer in layers}
     model = build_model(seed=0, in_channels=1, image_size=28, num_classes=10, dropout=0.0)
     ceiling = {}
     for n in stage_counts:
-        if n not in STAGE_STARTS:
+        if not 1 <= n <= max_stages("baby"):
             continue
-        pieces = split_model(model, n)
+        pieces = split_model(model, stage_starts("baby", n))
         heaviest = max(pieces, key=lambda piece: sum(flops.get(name, 0) for name in piece._modules))
         stage_flops = sum(flops.get(name, 0) for name in heaviest._modules)
         ceiling[str(n)] = {

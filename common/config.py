@@ -18,6 +18,14 @@ from dataclasses import dataclass, fields
 from common.errors import UserError
 
 DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10")
+# --model-size: (width of the classifier's hidden layers, how many); common/model_sizes.py has what each holds
+MODEL_SIZES = {
+    "baby": (128, 1),  # 1.27 M parameters: the suite's BabyCNN, the default
+    "small": (1024, 4),  # 12.7 M
+    "medium": (4096, 8),  # 155 M: DDP's training state, 2.5 GB per rank, fits 4 CPU processes in 24 GiB
+    "large": (8192, 8),  # 546 M: DDP's 8.7 GB per rank does not fit 4 processes in 24 GiB; FSDP's 2.2 GB does
+    "7b": (16384, 27),  # 7.1 B: for planning on GPUs (the textbook's 7 B)
+}
 OPTIMIZERS = ("sgd", "adamw")
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -28,6 +36,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb"
 STRATEGIES = ("ddp", "fsdp", "pippy")
 CHOICES = {  # flag -> (what it names, its values)
     "dataset": ("data set", DATASETS),
+    "model_size": ("model size", MODEL_SIZES),
     "optimizer": ("optimizer", OPTIMIZERS),
     "precision": ("precision", PRECISIONS),
     "device": ("device", DEVICES),
@@ -53,6 +62,11 @@ class Config:
     """Number of training images of the built-in digits data set."""
     test_size: int = 2000
     """Number of test images of the built-in digits data set."""
+
+    # --- model ---
+    model_size: str = "baby"
+    """BabyCNN's size: baby (1.3 M parameters), small (13 M), medium (155 M), large (546 M) or 7b (7.1 B): the same
+    convolutions, a classifier of more and wider layers (python -m planner says what each needs per rank)."""
 
     # --- schedule ---
     epochs: int = 2

@@ -127,16 +127,13 @@ class GlobalBatchSampler:
 def describe_data(data: DataSet, sampler: GlobalBatchSampler, *, split: str, steps: int) -> str:
     """The start-up lines: the data set, how each global batch is split (`split`), the run's length, and the
     samples that sit out each epoch, if any."""
-    line = (
+    left_out = sampler.left_out_per_epoch
+    sit_out = f"\nnote: {left_out} samples per epoch do not fill a global batch and sit out that epoch"
+    note = f"{sit_out} (different ones each epoch)" if left_out else ""
+    return (
         f"{data.name}: {len(data.train)} train / {len(data.test)} test images | "
-        f"global batch {sampler.global_batch_size} = {split} | {steps} steps"
+        f"global batch {sampler.global_batch_size} = {split} | {steps} steps{note}"
     )
-    if sampler.left_out_per_epoch:
-        line += (
-            f"\nnote: {sampler.left_out_per_epoch} samples per epoch do not fill a global batch and sit out "
-            f"that epoch (different ones each epoch)"
-        )
-    return line
 
 
 def shard_range(n: int, rank: int, world_size: int) -> range:

@@ -150,11 +150,9 @@ class RankLogger:
 
 
 def run(main: Callable[[], None]) -> None:
-    """Run a script's `main`, turning the errors a user can fix into one line and exit code 1.
-
-    Bad flags, missing data and unusable checkpoints are the same on every rank, so only rank 0 reports
-    them; a non-finite
-    loss names the rank that saw it. Anything else is a bug and keeps its traceback."""
+    """Run a script's `main`: a bad flag, missing data or an unusable checkpoint (the same on every rank: rank 0
+    says it) is one line and exit code 2; a non-finite loss one line naming the rank, exit 1; anything else is a
+    bug and keeps its traceback."""
     rank = int(os.environ.get("RANK", 0))
     try:
         main()

@@ -26,7 +26,7 @@ from torch.distributed.pipelining import (
 
 from common.compiling import require_compiler
 from common.distributed import collective_device
-from common.pipeline_layout import MAX_STAGES, SINGLE_STAGE_SCHEDULES, STAGE_STARTS, PipelineLayout
+from common.pipeline_layout import SINGLE_STAGE_SCHEDULES, PipelineLayout
 
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,  # all forwards, then all backwards (fill, drain)
@@ -79,16 +79,15 @@ def compile_stages(modules: list[nn.Module], device: torch.device) -> None:
         module.forward = torch.compile(module.forward)
 
 
-def split_model(model: nn.Module, n_stages: int) -> list[nn.Sequential]:
-    """Cut `model` into `n_stages` consecutive stages (see STAGE_STARTS). The stages share the model's
-    layers (no copy), and each stage keeps the layer names, so `stage.state_dict()` keys match the model's."""
-    if n_stages not in STAGE_STARTS:
-        raise ValueError(f"BabyCNN can be cut into 1 to {MAX_STAGES} stages, not {n_stages}")
+def split_model(model: nn.Module, starts: Sequence[str]) -> list[nn.Sequential]:
+    """Cut `model` into consecutive stages, the first layer of each named by `starts` (PipelineLayout.stage_starts).
+    The stages share the model's layers (no copy), and each keeps the layer names, so `stage.state_dict()` keys
+    match the model's."""
     names = list(model._modules)
-    starts = [names.index(name) for name in STAGE_STARTS[n_stages]] + [len(names)]
+    bounds = [names.index(name) for name in starts] + [len(names)]
     return [
         nn.Sequential(OrderedDict((name, model._modules[name]) for name in names[a:b]))
-        for a, b in zip(starts, starts[1:])
+        for a, b in zip(bounds, bounds[1:])
     ]
 
 

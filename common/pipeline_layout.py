@@ -1,7 +1,7 @@
 """Where a pipeline's stages live, in one object: how many ranks a pipeline has, how many stages, which rank
-holds which stage, and whether a layout can run at all; and where BabyCNN is cut into stages. The config's
-checks, train_pippy.py, evaluation and the reports all read it. No torch here, so the preflight checks a
-layout before torchrun starts.
+holds which stage, where BabyCNN is cut into them (common/model_sizes.py), and whether a layout can run at all.
+The config's checks, train_pippy.py, evaluation and the reports all read it. No torch here, so the preflight
+checks a layout before torchrun starts.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.config import ConfigError
+from common.model_sizes import max_stages, stage_starts
 
 if TYPE_CHECKING:
     from common.config import Config
@@ -17,24 +18,6 @@ if TYPE_CHECKING:
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # exactly one stage per rank
 V_SCHEDULES = ("zbv", "dualpipev")  # exactly two stages per rank, placed in a V
 SPLIT_BACKWARD_SCHEDULES = ("interleaved-zb", "zbv", "dualpipev")  # input- and weight-gradient passes apart
-
-# Where the pipeline cuts BabyCNN into n stages: stage i runs the layers from STAGE_STARTS[n][i] up to
-# the next start. `flatten` always *opens* a stage: its output is a view, and the zero-bubble schedules reject
-# a stage output that is a view (torch 2.14.1: "Failed to run stage backward input"). `dropout` never ends one,
-# as a precaution: in eval mode it returns its input itself (torch 2.14.1 trains and evaluates either way).
-# conv2 holds ~88% of the FLOPs, so no cut balances the stages well; the cuts below are chosen to be easy to
-# read, and the bubble measurements show what imbalance costs.
-STAGE_STARTS: dict[int, tuple[str, ...]] = {
-    1: ("conv1",),
-    2: ("conv1", "flatten"),
-    3: ("conv1", "conv2", "flatten"),
-    4: ("conv1", "conv2", "flatten", "fc2"),
-    5: ("conv1", "conv2", "norm", "flatten", "fc2"),
-    6: ("conv1", "conv2", "norm", "pool", "flatten", "fc2"),
-    7: ("conv1", "relu1", "conv2", "norm", "pool", "flatten", "fc2"),
-    8: ("conv1", "relu1", "conv2", "norm", "relu2", "pool", "flatten", "fc2"),
-}
-MAX_STAGES = max(STAGE_STARTS)
 
 
 @dataclass(frozen=True)
@@ -44,14 +27,29 @@ class PipelineLayout:
     pp_size: int  # ranks of one pipeline
     stages_per_rank: int
     n_microbatches: int
+    model_size: str = "baby"
+    dataset: str = "digits"  # the input's shape moves the balanced cut of the larger sizes
 
     @classmethod
     def of(cls, cfg: Config, world_size: int) -> PipelineLayout:
-        return cls(cfg.schedule, cfg.dp, world_size // cfg.dp, cfg.stages_per_rank, cfg.n_microbatches)
+        return cls(
+            cfg.schedule,
+            cfg.dp,
+            world_size // cfg.dp,
+            cfg.stages_per_rank,
+            cfg.n_microbatches,
+            cfg.model_size,
+            cfg.dataset,
+        )
 
     @property
     def n_stages(self) -> int:
         return self.pp_size * self.stages_per_rank
+
+    @property
+    def stage_starts(self) -> tuple[str, ...]:
+        """The first layer of each stage."""
+        return stage_starts(self.model_size, self.n_stages, self.dataset)
 
     def stages_of(self, pp_rank: int) -> list[int]:
         """The stages pipeline rank `pp_rank` holds. Looped placement (the default): rank r holds r, r + p,
@@ -106,11 +104,11 @@ class PipelineLayout:
                 f"which a compiled stage (one fused backward graph) cannot run; use 1f1b, gpipe, interleaved-1f1b "
                 f"or looped-bfs, or drop --compile"
             )
-        if n_stages > MAX_STAGES:
+        if n_stages > max_stages(self.model_size):
             raise ConfigError(
                 f"--stages-per-rank: {self.pp_size} pipeline ranks x {v} stages per rank = {n_stages} stages, "
-                f"but BabyCNN can be cut into at most {MAX_STAGES}; use fewer stages per rank, "
-                f"a larger --dp or fewer processes"
+                f"but BabyCNN ({self.model_size}) can be cut into at most {max_stages(self.model_size)}; use fewer "
+                f"stages per rank, a larger --dp or fewer processes"
             )
         if chunk_size % m:
             raise ConfigError(

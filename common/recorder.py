@@ -26,8 +26,10 @@ class RunRecorder:
     one, `eval()` each evaluation, `finish()` ends the run. Only the rank that holds the loss (`logs`: rank 0,
     or the pipeline's last stage) writes and prints; every rank must call `train` and `finish`."""
 
-    def __init__(self, cfg: Config, env: DistEnv, *, start_step: int, total_steps: int, logs: bool) -> None:
-        self.cfg, self.env, self.logs = cfg, env, logs
+    def __init__(
+        self, cfg: Config, env: DistEnv, *, start_step: int, total_steps: int, parameters: int, logs: bool
+    ) -> None:
+        self.cfg, self.env, self.logs, self.parameters = cfg, env, logs, parameters
         self.start_step, self.total_steps = start_step, total_steps
         self.started = self.step_started = time.perf_counter()
         self.last_train: dict[str, Any] = {}
@@ -144,6 +146,7 @@ class RunRecorder:
             "torch_version": torch.__version__,
             "threads_per_process": torch.get_num_threads() if env.device.type == "cpu" else None,
             "config": self.cfg.flags(),
+            "model": {"size": self.cfg.model_size, "parameters": self.parameters},
             **sections,
         }
 
@@ -206,13 +209,6 @@ def measure_memory(
         "optim_bytes": _bytes(state),
         "cuda_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
     }
-
-
-def state_bytes_theory(n_params: int, *, shards: int, optimizer: str) -> dict[str, Any]:
-    """The textbook's training state per rank: per parameter 4 + 4 bytes (fp32 weight, gradient) and the
-    optimizer's state (AdamW 8, SGD 4), divided by the ranks that share it (what it leaves out: docs/fsdp.md)."""
-    per_param = {"param_bytes": 4, "grad_bytes": 4, "optim_bytes": 8 if optimizer == "adamw" else 4}
-    return {"parameters": n_params, "shards": shards, **{k: v * n_params / shards for k, v in per_param.items()}}
 
 
 def write_run_json(out_dir: str, **fields: Any) -> None:

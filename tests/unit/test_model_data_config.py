@@ -8,8 +8,9 @@ from common.config import SCHEDULES, Config, ConfigError
 from common.data import GlobalBatchSampler, longest_shard, shard_range
 from common.digits import make_digits
 from common.model import BabyCNN, build_model
+from common.model_sizes import MODEL_SIZES, max_stages, parameter_count, stage_starts
+from common.model_sizes import layers as size_layers
 from common.pipeline import split_model
-from common.pipeline_layout import MAX_STAGES, STAGE_STARTS
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -32,11 +33,11 @@ def test_initial_weights_depend_on_the_seed_alone():
     assert not torch.equal(a.conv1.weight, c.conv1.weight)
 
 
-@pytest.mark.parametrize("n_stages", sorted(STAGE_STARTS))
-def test_split_model_is_the_model_in_pieces(n_stages):
-    model = build_model(seed=0, in_channels=1, image_size=28, num_classes=10, dropout=0.0).eval()
+@pytest.mark.parametrize("size,n_stages", [*(("baby", n) for n in range(1, 9)), ("small", 4), ("small", 8)])
+def test_split_model_is_the_model_in_pieces(size, n_stages):
+    model = build_model(size=size, seed=0, in_channels=1, image_size=28, num_classes=10, dropout=0.0).eval()
     x = torch.randn(3, 1, 28, 28)
-    stages = split_model(model, n_stages)
+    stages = split_model(model, stage_starts(size, n_stages))
     assert len(stages) == n_stages
     y = x
     for stage in stages:
@@ -48,9 +49,34 @@ def test_split_model_is_the_model_in_pieces(n_stages):
     assert all(next(iter(stage._modules)) != "fc1" for stage in stages), "flatten must open its stage"
 
 
-def test_split_model_refuses_too_many_stages():
-    with pytest.raises(ValueError, match=f"1 to {MAX_STAGES}"):
-        split_model(BabyCNN(), MAX_STAGES + 1)
+def test_a_cut_refuses_too_many_stages():
+    for size in MODEL_SIZES:
+        with pytest.raises(ValueError, match=f"1 to {max_stages(size)}"):
+            stage_starts(size, max_stages(size) + 1)
+
+
+@pytest.mark.parametrize("size", MODEL_SIZES)
+def test_the_sizes_numbers_are_the_models(size):
+    # common/model_sizes.py says what each size holds without torch (the preflight, the planner's formulas, the
+    # cut): it must be the model the scripts build, layer by layer (on the meta device: 7b allocates nothing)
+    with torch.device("meta"):
+        model = BabyCNN(size=size)
+    counted = {name: sum(p.numel() for p in layer.parameters()) for name, layer in model.named_children()}
+    assert [(layer.name, layer.params) for layer in size_layers(size)] == list(counted.items())
+    assert parameter_count(size) == sum(p.numel() for p in model.parameters())
+    assert parameter_count("baby") == 1_273_610
+
+
+def test_the_larger_sizes_are_cut_into_stages_of_equal_cost():
+    # medium's 4 stages: the costliest is at most the cheapest that any cut of its layers at allowed places can
+    # reach; here within 35% of a perfectly even split (the layers come in lumps)
+    costs = {layer.name: 3 * layer.flops for layer in size_layers("medium")}
+    names = list(costs)
+    starts = stage_starts("medium", 4)
+    bounds = [names.index(s) for s in starts] + [len(names)]
+    stages = [sum(costs[n] for n in names[a:b]) for a, b in zip(bounds, bounds[1:])]
+    assert max(stages) <= 1.35 * sum(stages) / 4, stages
+    assert "fc1" not in starts and starts[0] == "conv1"
 
 
 # ---------------------------------------------------------------------------------------------- sampler

@@ -62,7 +62,7 @@ def test_without_profile_steps_the_recorder_profiles_nothing(tmp_path):
     from common.recorder import RunRecorder
 
     env = DistEnv(rank=1, local_rank=1, world_size=2, local_world_size=2, device=torch.device("cpu"), backend="gloo")
-    recorder = RunRecorder(Config(out=str(tmp_path)), env, start_step=0, total_steps=3, logs=False)
+    recorder = RunRecorder(Config(out=str(tmp_path)), env, start_step=0, total_steps=3, parameters=1, logs=False)
     for step in recorder.steps():
         with recorder.span("forward"):
             pass

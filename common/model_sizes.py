@@ -1,0 +1,123 @@
+"""BabyCNN's sizes, as numbers: the layers of each `--model-size`, their parameters and FLOPs, and where a pipeline
+cuts them into stages of equal cost. No torch here, so the preflight can tell whether a run fits in memory, and
+the flag checks how many stages a size allows, before torchrun starts; common/model.py builds the layers.
+
+Every size keeps the two convolutions and grows the classifier: a first layer from the features to `width`,
+then `depth - 1` equal hidden layers of `width` x `width`, then the output layer. FSDP has a unit per layer to
+shard, and the pipeline can cut between any two of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from common.config import MODEL_SIZES
+
+# The input each data set gives the model: channels, image side, classes.
+DATASET_SHAPES = {"digits": (1, 28, 10), "mnist": (1, 28, 10), "fashion-mnist": (1, 28, 10), "cifar10": (3, 32, 10)}
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    params: int
+    flops: int  # forward FLOPs per sample (2 x multiply-adds of a convolution or a linear layer; 0 for the rest)
+
+
+def layers(size: str, dataset: str = "digits") -> list[Layer]:
+    """Every layer of BabyCNN at `size` for `dataset`'s images, in order (common/model.py builds the same)."""
+    width, _ = MODEL_SIZES[size]
+    channels, side, classes = DATASET_SHAPES[dataset]
+    conv = side - 4  # two 3x3 convolutions without padding
+    features = 64 * (conv // 2) ** 2
+    out = [
+        Layer("conv1", 32 * channels * 9 + 32, 2 * (side - 2) ** 2 * 32 * channels * 9),
+        Layer("relu1", 0, 0),
+        Layer("conv2", 64 * 32 * 9 + 64, 2 * conv**2 * 64 * 32 * 9),
+        Layer("norm", 2 * 64 * conv**2, 0),
+        Layer("relu2", 0, 0),
+        Layer("pool", 0, 0),
+        Layer("flatten", 0, 0),
+        Layer("fc1", features * width + width, 2 * features * width),
+        Layer("dropout", 0, 0),
+        Layer("relu3", 0, 0),
+    ]
+    for name in (f"hidden{i}" for i in range(1, MODEL_SIZES[size][1])):  # as common/model.py names them
+        out += [Layer(name, width * width + width, 2 * width * width), Layer(f"relu_{name}", 0, 0)]
+    return [*out, Layer("fc2", width * classes + classes, 2 * width * classes)]
+
+
+def parameter_count(size: str, dataset: str = "digits") -> int:
+    return sum(layer.params for layer in layers(size, dataset))
+
+
+def state_bytes_theory(n_params: int, *, shards: int, optimizer: str) -> dict[str, Any]:
+    """The textbook's training state per rank: per parameter 4 + 4 bytes (fp32 weight, gradient) and the
+    optimizer's state (AdamW 8, SGD 4), divided by the ranks that share it (what it leaves out: docs/fsdp.md)."""
+    per_param = {"param_bytes": 4, "grad_bytes": 4, "optim_bytes": 8 if optimizer == "adamw" else 4}
+    return {"parameters": n_params, "shards": shards, **{k: v * n_params / shards for k, v in per_param.items()}}
+
+
+# Where a stage may start. `flatten` always opens a stage: its output is a view, and the zero-bubble schedules
+# reject a stage output that is a view (torch 2.14.1: "Failed to run stage backward input"); so fc1 never does.
+# `dropout` never ends one, as a precaution: in eval mode it returns its input itself (torch 2.14.1 trains and
+# evaluates either way).
+_NEVER_STARTS = ("fc1", "dropout", "relu3")
+# BabyCNN's own cut, chosen to read easily (conv2 holds ~88% of its FLOPs, so no cut balances it): the stage
+# starts for 1..8 stages. The other sizes are cut into stages of equal cost (balanced_starts).
+BABY_STAGE_STARTS: dict[int, tuple[str, ...]] = {
+    1: ("conv1",),
+    2: ("conv1", "flatten"),
+    3: ("conv1", "conv2", "flatten"),
+    4: ("conv1", "conv2", "flatten", "fc2"),
+    5: ("conv1", "conv2", "norm", "flatten", "fc2"),
+    6: ("conv1", "conv2", "norm", "pool", "flatten", "fc2"),
+    7: ("conv1", "relu1", "conv2", "norm", "pool", "flatten", "fc2"),
+    8: ("conv1", "relu1", "conv2", "norm", "relu2", "pool", "flatten", "fc2"),
+}
+
+
+def _groups(size: str, dataset: str) -> list[list[Layer]]:
+    """The layers in runs that a cut may not split: a cut only ever falls before `flatten` or a layer with
+    parameters (the others go with the layer before them), and never before the layers in _NEVER_STARTS."""
+    groups: list[list[Layer]] = []
+    for layer in layers(size, dataset):
+        opens = layer.name == "flatten" or (layer.params > 0 and layer.name not in _NEVER_STARTS)
+        if opens or not groups:
+            groups.append([layer])
+        else:
+            groups[-1].append(layer)
+    return groups
+
+
+def max_stages(size: str) -> int:
+    """How many stages BabyCNN at `size` can be cut into."""
+    return max(BABY_STAGE_STARTS) if size == "baby" else len(_groups(size, "digits"))
+
+
+def stage_starts(size: str, n_stages: int, dataset: str = "digits") -> tuple[str, ...]:
+    """The first layer of each of `n_stages` stages. Sizes other than baby: the cut that makes the costliest stage
+    cheapest, with a layer's cost its forward and backward FLOPs (backward ~ twice forward)."""
+    if not 1 <= n_stages <= max_stages(size):
+        raise ValueError(f"BabyCNN ({size}) can be cut into 1 to {max_stages(size)} stages, not {n_stages}")
+    if size == "baby":
+        return BABY_STAGE_STARTS[n_stages]
+    groups = _groups(size, dataset)
+    costs = [3 * sum(layer.flops for layer in group) for group in groups]
+    # best[k][i]: the smallest possible cost of the costliest stage when groups[:i] form k stages
+    inf = float("inf")
+    best = [[inf] * (len(groups) + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (len(groups) + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0
+    for k in range(1, n_stages + 1):
+        for i in range(k, len(groups) + 1):
+            for j in range(k - 1, i):  # the k-th stage is groups[j:i]
+                cost = max(best[k - 1][j], sum(costs[j:i]))
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    starts, i = [], len(groups)
+    for k in range(n_stages, 0, -1):
+        i = cut[k][i]
+        starts.append(groups[i][0].name)
+    return tuple(reversed(starts))
