@@ -96,6 +96,7 @@ def train(cfg: Config, env: DistEnv) -> None:
         return
     # metrics.jsonl, the console, --tensorboard, --profile-steps, memory, run.json: all in the recorder
     recorder = RunRecorder(cfg, env, start_step=start_step, total_steps=steps, parameters=n_params, logs=env.is_main)
+    recorder.track_memory(model.parameters(), optimizer)  # what this rank keeps between steps
 
     def run_eval(step: int) -> None:
         model.eval()  # (dropout off)
@@ -138,7 +139,7 @@ def train(cfg: Config, env: DistEnv) -> None:
             save_checkpoint(cfg, step, model=model, optimizers=[optimizer], steps_per_epoch=sampler.steps_per_epoch)
 
     run_eval(steps)
-    recorder.finish(model.parameters(), optimizer)
+    recorder.finish()
 
 
 if __name__ == "__main__":

@@ -60,24 +60,28 @@ def fsdp_units(model: BabyCNN) -> dict[str, list[nn.Module]]:
     return {name: [model._modules[layer] for layer in layers] for name, layers in named.items()}
 
 
-def apply_fsdp(model: BabyCNN, cfg: Config, env: DistEnv) -> tuple[nn.Module, DeviceMesh]:
-    """[FSDP] The wrap: the device mesh, the policies, a fully_shard call per unit. Returns the model to train (in
-    a checkpoint wrapper with --activation-checkpointing) and the mesh. python -m planner shards with it too."""
-    units = fsdp_units(model)  # taken before a checkpoint wrapper hides the layers
-    if cfg.activation_checkpointing:
-        # [FSDP] Keep only the input for backward and recompute the activations, at the cost of a second
-        # forward; the whole flat model is the span that pays (docs/fsdp.md). Checkpoint keys stay conv1.weight.
-        model = checkpoint_wrapper(model)
+def fsdp_mesh(cfg: Config, env: DistEnv) -> DeviceMesh:
+    """[FSDP] The device mesh: who holds which shard (made outside the planner's fake tensors: it communicates)."""
     # [FSDP] The ranks of a "shard" row split every parameter; "replicate" rows hold the same shards and
     # all-reduce their gradients. hybrid: 2 rows of world/2 ranks; none: shards of one rank (NO_SHARD).
     replicas = {"full": 1, "grad-op": 1, "hybrid": 2, "none": env.world_size}[cfg.sharding]
-    mesh = (
+    return (
         init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("shard",))
         if replicas == 1
         else init_device_mesh(
             env.device.type, (replicas, env.world_size // replicas), mesh_dim_names=("replicate", "shard")
         )
     )
+
+
+def apply_fsdp(model: BabyCNN, mesh: DeviceMesh, cfg: Config, env: DistEnv) -> nn.Module:
+    """[FSDP] The wrap: the policies and a fully_shard call per unit, over `mesh`. Returns the model to train (in
+    a checkpoint wrapper with --activation-checkpointing). python -m planner shards with it too."""
+    units = fsdp_units(model)  # taken before a checkpoint wrapper hides the layers
+    if cfg.activation_checkpointing:
+        # [FSDP] Keep only the input for backward and recompute the activations, at the cost of a second
+        # forward; the whole flat model is the span that pays (docs/fsdp.md). Checkpoint keys stay conv1.weight.
+        model = checkpoint_wrapper(model)
     # [FSDP] Free gathered parameters after forward (full; None is FSDP's default) or keep them for backward
     # (grad-op). bf16: compute in bf16, fp32 shards and gradient reduction (replaces DDP's autocast).
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
@@ -102,7 +106,7 @@ def apply_fsdp(model: BabyCNN, cfg: Config, env: DistEnv) -> tuple[nn.Module, De
             fully_shard(layers, **shard_options)
         fully_shard(last, **{**shard_options, "reshard_after_forward": False})
     fully_shard(model, **shard_options)
-    return model, mesh
+    return model
 
 
 def train(cfg: Config, env: DistEnv) -> None:
@@ -130,7 +134,8 @@ def train(cfg: Config, env: DistEnv) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     log(f"BabyCNN {cfg.model_size}: {n_params:,} parameters")
     seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
-    model, mesh = apply_fsdp(model, cfg, env)  # [FSDP]
+    mesh = fsdp_mesh(cfg, env)  # [FSDP]
+    model = apply_fsdp(model, mesh, cfg, env)  # [FSDP]
     optimizer = build_optimizer(model.parameters(), cfg)  # [FSDP] after sharding: it steps the local shards
 
     start_step = 0
@@ -144,6 +149,7 @@ def train(cfg: Config, env: DistEnv) -> None:
         return
     # metrics.jsonl, the console, --tensorboard, --profile-steps, memory, run.json: all in the recorder
     recorder = RunRecorder(cfg, env, start_step=start_step, total_steps=steps, parameters=n_params, logs=env.is_main)
+    recorder.track_memory(model.parameters(), optimizer)  # what this rank keeps between steps
 
     def run_eval(step: int) -> None:
         model.eval()  # (dropout off)
@@ -194,7 +200,7 @@ def train(cfg: Config, env: DistEnv) -> None:
     # [FSDP] The theory next to the measurement: the textbook's bytes per parameter, divided by the shards.
     theory = state_bytes_theory(n_params, shards=mesh["shard"].size(), optimizer=cfg.optimizer)
     mesh_shape = dict(zip(mesh.mesh_dim_names, mesh.shape))
-    recorder.finish(model.parameters(), optimizer, memory_theory=theory, files=["model.pt"], mesh=mesh_shape)
+    recorder.finish(memory_theory=theory, files=["model.pt"], mesh=mesh_shape)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage
 
@@ -52,6 +52,60 @@ def main(argv: list[str] | None = None) -> None:
         train(cfg, env)
     finally:
         teardown_distributed()
+
+
+def apply_pipeline(
+    pieces: list[nn.Sequential],
+    layout: PipelineLayout,
+    mesh: DeviceMesh,
+    cfg: Config,
+    env: DistEnv,
+    *,
+    io_shapes: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
+) -> tuple[dict[int, nn.Module], list[PipelineStage]]:
+    """[PP] The wrap: this rank's stages (FSDP2-sharded across the replicas with --dp), a PipelineStage each.
+    python -m planner builds them too, on a fake process group, which cannot infer activation shapes at the first
+    step: it passes `io_shapes`, each stage's input and output shape for one micro-batch."""
+    modules = {i: pieces[i] for i in layout.stages_of(mesh.get_local_rank("pp"))}
+    if env.device.type != "cpu":  # (built on the CPU; the planner's fake tensors cannot move)
+        modules = {i: module.to(env.device) for i, module in modules.items()}
+    if cfg.compile:
+        # [PP] Each stage module is compiled on its own: the schedule calls it per micro-batch, and the
+        # send/recv between stages stays outside the graphs.
+        compile_stages(list(modules.values()), env.device)
+    if cfg.dp > 1:
+        for module in modules.values():
+            if list(module.parameters()):  # a parameter-free stage has nothing to shard
+                # [PP] FSDP2 across the replicas holding this stage. Not resharding after forward: the
+                # schedule runs several micro-batch forwards per step; the pipeline reshards after the
+                # step's last backward (and reduce-scatters the gradients then, once).
+                fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False)
+
+    def known(i: int) -> dict[str, tuple[torch.Tensor]]:  # the planner's shapes; none: inferred at the first step
+        if io_shapes is None:
+            return {}
+        (inputs, outputs), empty = io_shapes[i], lambda shape: (torch.empty(shape, device=env.device),)
+        grads = {"input_grads": empty(inputs)} if i > 0 else {}  # the images need no gradient
+        return {"input_args": empty(inputs), "output_args": empty(outputs), "output_grads": empty(outputs), **grads}
+
+    # [PP] One PipelineStage per stage this rank holds.
+    stages = [
+        PipelineStage(modules[i], i, layout.n_stages, env.device, group=mesh.get_group("pp"), **known(i))
+        for i in modules
+    ]
+    return modules, stages
+
+
+def make_schedule(stages: list[PipelineStage], cfg: Config) -> object:
+    """[PP] The schedule that runs this rank's stages. The loss of a micro-batch is its mean divided by the
+    number of micro-batches (and accumulation steps): the gradients summed over the step are then those of the
+    mean over this replica's batch, like DDP's, and the losses the schedule returns add up to that mean (hence
+    scale_grads=False in build_schedule)."""
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float(), labels) / (cfg.n_microbatches * cfg.grad_accum_steps)
+
+    return build_schedule(cfg.schedule, stages, cfg.n_microbatches, loss_fn)
 
 
 def train(cfg: Config, env: DistEnv) -> None:
@@ -96,29 +150,9 @@ def train(cfg: Config, env: DistEnv) -> None:
     pieces = split_model(model, layout.stage_starts)
     log(describe_cut(pieces, layout))
     shapes = stage_output_shapes(pieces, data.train.images[:1].float(), batch_size=chunk_size)  # for evaluation
-    modules = {i: pieces[i].to(env.device) for i in my_stages}
     seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
-    if cfg.compile:
-        # [PP] Each stage module is compiled on its own: the schedule calls it per micro-batch, and the
-        # send/recv between stages stays outside the graphs.
-        compile_stages(list(modules.values()), env.device)
-    if cfg.dp > 1:
-        for module in modules.values():
-            if list(module.parameters()):  # a parameter-free stage has nothing to shard
-                # [PP] FSDP2 across the replicas holding this stage. Not resharding after forward: the
-                # schedule runs several micro-batch forwards per step; the pipeline reshards after the
-                # step's last backward (and reduce-scatters the gradients then, once).
-                fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False)
-    # [PP] One PipelineStage per stage this rank holds; activation shapes are inferred at the first step.
-    stages = [PipelineStage(modules[i], i, layout.n_stages, env.device, group=mesh.get_group("pp")) for i in my_stages]
-
-    # [PP] The loss of a micro-batch is its mean divided by the number of micro-batches (and accumulation
-    # steps): the gradients summed over the step are then those of the mean over this replica's batch,
-    # like DDP's, and the losses the schedule returns add up to that mean. (Hence scale_grads=False.)
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float(), labels) / (cfg.n_microbatches * cfg.grad_accum_steps)
-
-    schedule = build_schedule(cfg.schedule, stages, cfg.n_microbatches, loss_fn)  # [PP]
+    modules, stages = apply_pipeline(pieces, layout, mesh, cfg, env)  # [PP]
+    schedule = make_schedule(stages, cfg)  # [PP]
 
     # This rank's layers under their own names (conv1.weight, ...), as in the whole model: the module
     # that optimizer and checkpoints see, so a checkpoint of any strategy loads into any other.
@@ -141,6 +175,7 @@ def train(cfg: Config, env: DistEnv) -> None:
         return
     # metrics.jsonl, the console, --tensorboard, --profile-steps, memory, run.json: all in the recorder
     recorder = RunRecorder(cfg, env, start_step=start_step, total_steps=steps, parameters=n_params, logs=is_logger)
+    recorder.track_memory(params, optimizer)  # what this rank keeps between steps
     # [PP] When each forward and backward ran on this rank: the bubble, the timeline, a span per action
     actions = StageActions(stages, device=env.device, span=recorder.span)
 
@@ -217,7 +252,7 @@ def train(cfg: Config, env: DistEnv) -> None:
     )
     evaluation = "stage by stage (send/recv)" if layout.local_handoff else "schedule.eval()"
     pipeline = {**layout.describe(), "logging_rank": env.rank, "bubble": bubble, "evaluation": evaluation}
-    recorder.finish(params, optimizer, pipeline=pipeline)
+    recorder.finish(pipeline=pipeline)
 
 
 if __name__ == "__main__":

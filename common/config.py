@@ -142,6 +142,9 @@ class Config:
     """CUDA only: record the allocator over --profile-steps into <out>/traces/ (for pytorch.org/memory_viz)."""
     tensorboard: bool = False
     """Also write every train and eval record as TensorBoard scalars under <out>/tensorboard/."""
+    measure_peak: bool = False
+    """CPU: measure the most tensor bytes each rank holds during one step (the launch's second) into run.json, the
+    figure python -m planner predicts (on GPUs run.json always has the CUDA allocator's peak)."""
 
     # --- runtime ---
     device: str = "auto"

@@ -42,6 +42,11 @@ class RunRecorder:
                 from common.tensorboard import ScalarWriter  # only with the flag: tensorboard is optional
 
                 self._scalars = ScalarWriter(cfg.out)
+        self.params: list[torch.nn.Parameter] = []
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.peak: Any = None  # --measure-peak: common.memory_peak.PeakBytes over the launch's second step
+        self.peak_bytes: int | None = None
+        self.peak_step = start_step + 2 if cfg.measure_peak and env.device.type == "cpu" and not cfg.compile else None
         self.profiler = None
         if cfg.profile_steps:
             from common.profiling import StepProfiler  # only with the flag
@@ -49,6 +54,11 @@ class RunRecorder:
             self.profiler = StepProfiler(
                 cfg.profile_steps, out_dir=cfg.out, rank=env.rank, device=env.device, memory=cfg.memory_snapshot
             )
+
+    def track_memory(self, params: Iterable[torch.nn.Parameter], optimizer: torch.optim.Optimizer | None) -> None:
+        """What this rank keeps between steps (its parameters, their gradients, the optimizer's state): run.json
+        gets its bytes, and with --measure-peak the peak of a step above it."""
+        self.params, self.optimizer = list(params), optimizer
 
     def span(self, name: str) -> ContextManager:
         """A named part of a step in the profiler's trace while --profile-steps profiles it; a no-op otherwise."""
@@ -61,6 +71,8 @@ class RunRecorder:
             self.step_started = time.perf_counter()
             if self.profiler:
                 self.profiler.step_start(step)
+            if step == self.peak_step and self.peak:
+                self.peak.__enter__()  # counts what the step allocates, from what the previous one left
             yield step
 
     def train(self, step: int, *, loss: float, lr: float, grad_norm: float) -> None:
@@ -91,6 +103,14 @@ class RunRecorder:
                 )
         if self.profiler:
             self.profiler.step_end(step)
+        if step == self.peak_step and self.peak:
+            self.peak.__exit__(None, None, None)
+            self.peak_bytes = self.peak.peak
+        elif self.peak_step is not None and step == self.peak_step - 1:
+            from common.memory_peak import PeakBytes, state_tensors  # only with --measure-peak
+
+            # after this step's optimizer step: what stays, gradients included (DDP's live on in its buckets)
+            self.peak = PeakBytes(state_tensors(self.params, self.optimizer))
 
     def eval(self, step: int, test_loss: float, test_accuracy: float) -> None:
         self.last_eval = {"kind": "eval", "step": step, "test_loss": test_loss, "test_accuracy": test_accuracy}
@@ -103,20 +123,19 @@ class RunRecorder:
             )
 
     def finish(
-        self,
-        params: Iterable[torch.nn.Parameter],
-        optimizer: torch.optim.Optimizer | None,
-        *,
-        memory_theory: dict[str, Any] | None = None,
-        files: Iterable[str] = (),
-        **sections: Any,
+        self, *, memory_theory: dict[str, Any] | None = None, files: Iterable[str] = (), **sections: Any
     ) -> None:
-        """End the run (every rank calls this: it gathers). run.json gets each rank's memory (`params` and
-        `optimizer` are what this rank holds) next to `memory_theory`, the profile, and the strategy's own
+        """End the run (every rank calls this: it gathers). run.json gets each rank's memory (what track_memory
+        was given; the peak with --measure-peak) next to `memory_theory`, the profile, and the strategy's own
         `sections` (mesh=..., pipeline=...); the final line names `files`, the others the run wrote."""
+        mine = {"rank": self.env.rank, **measure_memory(self.params, self.optimizer, self.env.device)}
+        if self.peak_step is not None:
+            mine["peak_bytes"] = self.peak_bytes
         per_rank: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, {"rank": self.env.rank, **measure_memory(params, optimizer, self.env.device)})
+        dist.all_gather_object(per_rank, mine)
         memory = {"per_rank": per_rank, **({"theory": memory_theory} if memory_theory else {})}
+        if self.peak_step is not None:  # (the step a launch of one step cannot measure: None)
+            memory["peak"] = {"step": self.peak_step, "what": "live tensor bytes (common/memory_peak.py)"}
         profile = self.profiler.report() if self.profiler else None
         if self.logs:
             final = {
@@ -188,7 +207,8 @@ def _bytes(tensors: Iterable[torch.Tensor]) -> int:
     seen, total = set(), 0
     for t in tensors:
         local = local_part(t)
-        key = (local.untyped_storage().data_ptr(), local.storage_offset(), local.numel())
+        # the storage itself, not its address: the planner's fake tensors all have address 0
+        key = (local.untyped_storage()._cdata, local.storage_offset(), local.numel())
         if key not in seen:  # count a tensor shared by two names once
             seen.add(key)
             total += local.numel() * local.element_size()

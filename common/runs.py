@@ -29,7 +29,7 @@ MAY_CHANGE = (
     *("strategy", "sharding", "shard_units", "cpu_offload", "activation_checkpointing"),
     *("schedule", "n_microbatches", "stages_per_rank", "dp", "grad_accum_steps"),
     *("epochs", "max_steps", "log_every", "eval_every", "checkpoint_every", "keep"),
-    *("compile", "profile_steps", "memory_snapshot", "tensorboard"),
+    *("compile", "profile_steps", "memory_snapshot", "tensorboard", "measure_peak"),
 )
 # Settings that are where and how this launch runs, not what it trains: they change silently.
 FREE = ("data_dir", "out", "resume", "device", "threads", "timeout_s")

@@ -1,0 +1,88 @@
+"""The peak of the tensor bytes a rank holds over one training step, measured the same way in a real run and in
+the memory planner's fake one (python -m planner), so the two can be compared.
+
+A CPU has no allocator statistics (torch.cuda.max_memory_allocated's counterpart), so this counts tensors: the
+training state that exists before the step (parameters, gradients, optimizer state, given), then every tensor
+an operator creates during the step (a TorchDispatchMode sees each one, DTensors as their local shards), and
+every storage that FSDP grows or frees in place (UntypedStorage.resize_). A storage leaves the count when it is
+freed (a weak reference on it). torch's own trackers (torch.distributed._tools: MemTracker, FSDPMemTracker) do
+the same and more, but refuse a module that runs twice in a step (micro-batches, accumulation) and cost half
+a second to import.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+
+from common.distributed import local_part
+
+
+class PeakBytes(TorchDispatchMode):
+    """`with PeakBytes(state):` counts the bytes of the live tensors, `peak` the most at once. `state`: the tensors
+    alive before (their storages are counted once each, however many views share them)."""
+
+    def __init__(self, state: Iterable[torch.Tensor]) -> None:
+        super().__init__()
+        self.sizes: dict[int, int] = {}  # storage -> bytes
+        self.live = 0
+        for tensor in state:
+            self._add(tensor)
+        self.peak = self.live
+        self._resize: Any = None
+
+    def _add(self, tensor: torch.Tensor) -> None:
+        storage = local_part(tensor).untyped_storage()
+        key = storage._cdata  # the storage itself: the planner's fake tensors all have data_ptr 0
+        if key not in self.sizes:
+            self.sizes[key] = storage.nbytes()
+            self.live += self.sizes[key]
+            weakref.finalize(storage, self._drop, key)
+
+    def _drop(self, key: int) -> None:
+        self.live -= self.sizes.pop(key, 0)
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key not in self.sizes:
+            self.sizes[key] = 0
+            weakref.finalize(storage, self._drop, key)
+        self.live += storage.nbytes() - self.sizes[key]
+        self.sizes[key] = storage.nbytes()
+        self.peak = max(self.peak, self.live)
+
+    def __enter__(self) -> PeakBytes:
+        self.peak = self.live
+        resize, tracker = torch.UntypedStorage.resize_, self
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:  # how FSDP frees and regrows its buffers
+            result = resize(storage, size)
+            tracker._resized(storage)
+            return result
+
+        self._resize, torch.UntypedStorage.resize_ = resize, resize_
+        return super().__enter__()
+
+    def __exit__(self, *args: Any) -> None:
+        torch.UntypedStorage.resize_ = self._resize
+        super().__exit__(*args)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if any(t.__name__ == "DTensor" for t in types):
+            return NotImplemented  # let DTensor turn into local ops, which come back here
+        out = func(*args, **(kwargs or {}))
+        tree_map_only(torch.Tensor, self._add, out)
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def state_tensors(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """What a rank holds between steps: its parameters, their gradients and the optimizer's state."""
+    params = list(params)
+    grads = [p.grad for p in params if p.grad is not None]
+    state = [v for s in (optimizer.state.values() if optimizer else ()) for v in s.values()]
+    return [*params, *grads, *(v for v in state if isinstance(v, torch.Tensor))]

@@ -1,0 +1,201 @@
+"""One rank's memory, measured by running the scripts' own wrap and one training step of it on fake tensors.
+
+In one process, for any world size: a fake process group (`torch.testing._internal.distributed.fake_pg`:
+collectives that return at once and move nothing) stands in for the other ranks, and `FakeTensorMode` gives
+every tensor a shape, a dtype and a device but no memory, so a 7 B model costs nothing. The model is built
+by `common.model.build_model` and wrapped by the scripts' own functions (`apply_ddp`, `fsdp_mesh` and
+`apply_fsdp`, `apply_pipeline` and `make_schedule`); the optimizer is `build_optimizer`'s. What this rank
+holds is counted as a run counts it: `measure_memory` for the state (run.json's param/grad/optim bytes), and
+`common.memory_peak.PeakBytes` for the peak of a step (run.json's peak_bytes with --measure-peak).
+
+DDP cannot be built on fake tensors as the script builds it (its constructor broadcasts the weights and reads
+data), so the planner passes init_sync=False and a do-nothing communication hook (DDP's own `noop_hook`), and
+plans a single step: at the second, DDP would re-lay its buckets from real data (torch 2.14.1). Its buckets are
+counted from the moment it allocates them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from common.config import Config
+from common.distributed import DistEnv
+from common.memory_peak import PeakBytes, state_tensors
+from common.model import build_model
+from common.model_sizes import DATASET_SHAPES
+from common.recorder import measure_memory
+from common.training import build_optimizer
+
+
+@dataclass
+class RankMemory:
+    """What one rank holds: run.json's state bytes and the peak of a step, in bytes."""
+
+    rank: int
+    param_bytes: int
+    grad_bytes: int
+    optim_bytes: int
+    peak_bytes: int
+    parts: dict[str, int] = field(default_factory=dict)  # what the peak holds beyond the state, where known
+    # A pipeline rank: one micro-batch's activation it sends, which a real backend may still hold when the
+    # program has let go of it (gloo frees a sent tensor once its receiver took it). The peak of a real run lies
+    # between peak_bytes and peak_bytes + in_flight_bytes, by the timing of the neighbours.
+    in_flight_bytes: int = 0
+
+    @property
+    def state_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optim_bytes
+
+
+def _fake_world(world_size: int, rank: int) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+
+
+def _batch(cfg: Config, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of `n` images made as the scripts make theirs (common.data.to_device_batch: gathered uint8 images,
+    normalised on the device), so that it counts where theirs does, inside the step."""
+    from common.data import NORMALISATION, DataSet, Split, to_device_batch
+
+    channels, side, classes = DATASET_SHAPES[cfg.dataset]
+    split = Split(torch.zeros(n, channels, side, side, dtype=torch.uint8), torch.zeros(n, dtype=torch.int64))
+    data = DataSet(cfg.dataset, split, split, classes, *NORMALISATION[cfg.dataset])
+    return to_device_batch(split, torch.arange(n), data, torch.device("cpu"))
+
+
+def _warm(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer | None) -> None:
+    """Give the optimizer its state, as after any step of a run (AdamW makes it at its first step)."""
+    if optimizer:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _model(cfg: Config):
+    channels, side, classes = DATASET_SHAPES[cfg.dataset]
+    return build_model(
+        size=cfg.model_size, seed=cfg.seed, in_channels=channels, image_size=side, num_classes=classes, dropout=0.0
+    )
+
+
+def plan_rank(cfg: Config, world_size: int, rank: int) -> RankMemory:
+    """Rank `rank` of `world_size` training `cfg` (its strategy, size, batch, sharding or schedule)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _fake_world(world_size, rank)
+    env = DistEnv(rank, 0, world_size, 1, torch.device("cpu"), "fake")
+    cfg = replace(cfg, compile=False, grad_accum_steps=1)
+    step = {"ddp": _ddp_step, "fsdp": _fsdp_step, "pippy": _pipeline_step}[cfg.strategy]
+    try:
+        return step(cfg, env, FakeTensorMode)
+    finally:
+        dist.destroy_process_group()
+
+
+def _ddp_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
+    from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+
+    from train_ddp import apply_ddp
+
+    with fake_mode():
+        model = _model(cfg)
+        tracker = PeakBytes(model.parameters())
+        with tracker:  # DDP allocates its gradient buckets as it wraps: they count from there
+            model = apply_ddp(model, cfg, env, init_sync=False)
+            model.register_comm_hook(None, noop_hook)
+            optimizer = build_optimizer(model.parameters(), cfg)
+            _warm(list(model.parameters()), optimizer)
+        buckets = tracker.live
+        with tracker:
+            images, labels = _batch(cfg, cfg.chunk_size(env.world_size))
+            F.cross_entropy(model(images), labels).backward()
+            optimizer.step()
+        memory = measure_memory(model.parameters(), optimizer, env.device)
+        buckets -= memory["param_bytes"] + memory["optim_bytes"]
+    return _result(env.rank, memory, tracker, {"DDP's gradient buckets": buckets})
+
+
+def _fsdp_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
+    from train_fsdp import apply_fsdp, fsdp_mesh
+
+    mesh = fsdp_mesh(cfg, env)  # outside the fake mode: making a mesh communicates
+    with fake_mode():
+        model = apply_fsdp(_model(cfg), mesh, cfg, env)
+        optimizer = build_optimizer(model.parameters(), cfg)
+        _warm(list(model.parameters()), optimizer)
+        tracker = PeakBytes(state_tensors(model.parameters(), optimizer))
+        with tracker:
+            optimizer.zero_grad(set_to_none=True)
+            images, labels = _batch(cfg, cfg.chunk_size(env.world_size))
+            F.cross_entropy(model(images), labels).backward()
+            optimizer.step()
+        memory = measure_memory(model.parameters(), optimizer, env.device)
+    return _result(env.rank, memory, tracker, {})
+
+
+def _pipeline_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from common.pipeline import split_model, stage_output_shapes
+    from common.pipeline_layout import PipelineLayout
+    from train_pippy import apply_pipeline, make_schedule
+
+    layout = PipelineLayout.of(cfg, env.world_size)
+    mesh = init_device_mesh("cpu", (layout.dp, layout.pp_size), mesh_dim_names=("dp", "pp"))
+    mine = layout.stages_of(mesh.get_local_rank("pp"))
+    micro_batch = cfg.chunk_size(env.world_size) // cfg.n_microbatches
+    with fake_mode():
+        model = _model(cfg)
+        pieces = split_model(model, layout.stage_starts)
+        images, _ = _batch(cfg, micro_batch)
+        outputs = stage_output_shapes(pieces, images, batch_size=micro_batch)
+        io_shapes = {i: ((tuple(images.shape), *outputs[:-1])[i], outputs[i]) for i in mine}
+        sent = [outputs[i] for i in mine if i < layout.n_stages - 1]
+        in_flight = max((4 * torch.Size(shape).numel() for shape in sent), default=0)  # fp32 activations
+        modules, stages = apply_pipeline(pieces, layout, mesh, cfg, env, io_shapes=io_shapes)
+        schedule = make_schedule(stages, cfg)
+        local = nn.Sequential(*(layer for i in sorted(modules) for layer in modules[i].children()))
+        params = list(local.parameters())
+        optimizer = build_optimizer(params, cfg) if params else None
+        _warm(params, optimizer)
+        del model, pieces  # the other ranks' stages: this rank does not hold them
+        first, last = 0 in mine, layout.n_stages - 1 in mine
+
+        def step() -> None:
+            if optimizer:
+                optimizer.zero_grad(set_to_none=True)
+            images, labels = _batch(cfg, cfg.chunk_size(env.world_size))  # every rank loads it, as in the script
+            schedule.step(*([images] if first else []), target=labels if last else None, losses=[] if last else None)
+            if optimizer:
+                optimizer.step()
+
+        step()  # the first step also sets the stages up, as in a run: the one after it is measured
+        tracker = PeakBytes(state_tensors(params, optimizer))
+        with tracker:
+            step()
+        memory = measure_memory(params, optimizer, env.device)
+    return _result(env.rank, memory, tracker, {}, in_flight=in_flight)
+
+
+def _result(
+    rank: int, memory: dict[str, Any], tracker: PeakBytes, parts: dict[str, int], *, in_flight: int = 0
+) -> RankMemory:
+    return RankMemory(
+        rank=rank,
+        param_bytes=memory["param_bytes"],
+        grad_bytes=memory["grad_bytes"],
+        optim_bytes=memory["optim_bytes"],
+        peak_bytes=tracker.peak,
+        parts=parts,
+        in_flight_bytes=in_flight,
+    )
