@@ -19,7 +19,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from common.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint, set_aside_previous_run
 from common.cli import parse_config
 from common.clipping import clip_grad_norm
-from common.compiling import compile_modules
 from common.config import Config
 from common.data import GlobalBatchSampler, describe_data, load_dataset, to_device_batch
 from common.distributed import DistEnv, RankLogger, run, seed_everything, setup_distributed, teardown_distributed
@@ -45,6 +44,8 @@ def apply_ddp(model: nn.Module, cfg: Config, env: DistEnv, *, init_sync: bool = 
     device_ids = [env.local_rank] if env.device.type == "cuda" else None
     model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True, init_sync=init_sync)
     if cfg.compile:
+        from common.compiling import compile_modules  # only with the flag, like every optional feature
+
         # [DDP] Compile the wrapped model, as DDP's notes ask (docs/training.md): dynamo's DDPOptimizer then
         # splits the graph at DDP's bucket boundaries, so each bucket still all-reduces during backward.
         compile_modules([model], env.device)

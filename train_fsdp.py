@@ -22,7 +22,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from common.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint, set_aside_previous_run
 from common.cli import parse_config
 from common.clipping import clip_grad_norm
-from common.compiling import compile_modules
 from common.config import Config
 from common.data import GlobalBatchSampler, describe_data, load_dataset, to_device_batch
 from common.distributed import DistEnv, RankLogger, run, seed_everything, setup_distributed, teardown_distributed
@@ -96,6 +95,8 @@ def apply_fsdp(model: BabyCNN, mesh: DeviceMesh, cfg: Config, env: DistEnv) -> n
     # the root alone (fewest collectives), or each block then the root (full parameters a block at a time;
     # the last block keeps its parameters for its backward, which follows at once).
     if cfg.compile:
+        from common.compiling import compile_modules  # only with the flag, like every optional feature
+
         # [FSDP] Compile before sharding. FSDP2's hooks (all-gather before a unit, reduce-scatter after its
         # backward) are marked for dynamo to leave out, so the graph breaks at each unit's boundary: a graph
         # per unit, with the collectives run eagerly between them, as torchtitan does per block.

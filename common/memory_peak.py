@@ -86,3 +86,30 @@ def state_tensors(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimiz
     grads = [p.grad for p in params if p.grad is not None]
     state = [v for s in (optimizer.state.values() if optimizer else ()) for v in s.values()]
     return [*params, *grads, *(v for v in state if isinstance(v, torch.Tensor))]
+
+
+class PeakOfStep:
+    """--measure-peak for a RunRecorder: PeakBytes over step `step`, counted from what the step before it left
+    (the recorder's parameters, their gradients and the optimizer state: DDP's gradients live on in its buckets)."""
+
+    def __init__(self, step: int, recorder: Any) -> None:
+        self.step, self.recorder = step, recorder
+        self.tracker: PeakBytes | None = None
+        self.bytes: int | None = None  # None: the launch ended before it (a launch of one step)
+
+    def starts(self, step: int) -> None:
+        if step == self.step and self.tracker:
+            self.tracker.__enter__()
+
+    def ends(self, step: int) -> None:
+        if step == self.step - 1:
+            self.tracker = PeakBytes(state_tensors(self.recorder.params, self.recorder.optimizer))
+        elif step == self.step and self.tracker:
+            self.tracker.__exit__(None, None, None)
+            self.bytes = self.tracker.peak
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "what": "the most tensor bytes the rank held during the step (common/memory_peak.py)",
+        }

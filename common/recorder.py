@@ -44,9 +44,11 @@ class RunRecorder:
                 self._scalars = ScalarWriter(cfg.out)
         self.params: list[torch.nn.Parameter] = []
         self.optimizer: torch.optim.Optimizer | None = None
-        self.peak: Any = None  # --measure-peak: common.memory_peak.PeakBytes over the launch's second step
-        self.peak_bytes: int | None = None
-        self.peak_step = start_step + 2 if cfg.measure_peak and env.device.type == "cpu" and not cfg.compile else None
+        self.peak: Any = None
+        if cfg.measure_peak and env.device.type == "cpu" and not cfg.compile:  # (a dispatch mode would recompile)
+            from common.memory_peak import PeakOfStep  # only with the flag
+
+            self.peak = PeakOfStep(start_step + 2, self)  # the launch's second step: the first sets things up
         self.profiler = None
         if cfg.profile_steps:
             from common.profiling import StepProfiler  # only with the flag
@@ -71,8 +73,8 @@ class RunRecorder:
             self.step_started = time.perf_counter()
             if self.profiler:
                 self.profiler.step_start(step)
-            if step == self.peak_step and self.peak:
-                self.peak.__enter__()  # counts what the step allocates, from what the previous one left
+            if self.peak:
+                self.peak.starts(step)
             yield step
 
     def train(self, step: int, *, loss: float, lr: float, grad_norm: float) -> None:
@@ -103,14 +105,8 @@ class RunRecorder:
                 )
         if self.profiler:
             self.profiler.step_end(step)
-        if step == self.peak_step and self.peak:
-            self.peak.__exit__(None, None, None)
-            self.peak_bytes = self.peak.peak
-        elif self.peak_step is not None and step == self.peak_step - 1:
-            from common.memory_peak import PeakBytes, state_tensors  # only with --measure-peak
-
-            # after this step's optimizer step: what stays, gradients included (DDP's live on in its buckets)
-            self.peak = PeakBytes(state_tensors(self.params, self.optimizer))
+        if self.peak:
+            self.peak.ends(step)
 
     def eval(self, step: int, test_loss: float, test_accuracy: float) -> None:
         self.last_eval = {"kind": "eval", "step": step, "test_loss": test_loss, "test_accuracy": test_accuracy}
@@ -129,13 +125,11 @@ class RunRecorder:
         was given; the peak with --measure-peak) next to `memory_theory`, the profile, and the strategy's own
         `sections` (mesh=..., pipeline=...); the final line names `files`, the others the run wrote."""
         mine = {"rank": self.env.rank, **measure_memory(self.params, self.optimizer, self.env.device)}
-        if self.peak_step is not None:
-            mine["peak_bytes"] = self.peak_bytes
         per_rank: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, mine)
+        dist.all_gather_object(per_rank, {**mine, **({"peak_bytes": self.peak.bytes} if self.peak else {})})
         memory = {"per_rank": per_rank, **({"theory": memory_theory} if memory_theory else {})}
-        if self.peak_step is not None:  # (the step a launch of one step cannot measure: None)
-            memory["peak"] = {"step": self.peak_step, "what": "live tensor bytes (common/memory_peak.py)"}
+        if self.peak:
+            memory["peak"] = self.peak.describe()
         profile = self.profiler.report() if self.profiler else None
         if self.logs:
             final = {
@@ -145,7 +139,19 @@ class RunRecorder:
                 "samples_per_s": self.samples / self.train_time if self.train_time else None,
                 "wall_time_s": time.perf_counter() - self.started,
             }
-            write_run_json(self.cfg.out, **self.describe(**sections, profile=profile), final=final, memory=memory)
+            env, cfg = self.env, self.cfg
+            run = {
+                "strategy": cfg.strategy,
+                "world_size": env.world_size,
+                "backend": env.backend,
+                "device": env.device.type,
+                "torch_version": torch.__version__,
+                "threads_per_process": torch.get_num_threads() if env.device.type == "cpu" else None,
+                "config": cfg.flags(),
+                "model": {"size": cfg.model_size, "parameters": self.parameters},
+                **sections,
+            }
+            write_run_json(cfg.out, **run, profile=profile, final=final, memory=memory)
             written = ", ".join(os.path.join(self.cfg.out, f) for f in ("metrics.jsonl", "run.json", *files))
             print(
                 f"done: test accuracy {100 * final['test_accuracy']:.2f}% | {final['samples_per_s']:.0f} samples/s | "
@@ -153,21 +159,6 @@ class RunRecorder:
                 flush=True,
             )
         self.close()
-
-    def describe(self, **sections: Any) -> dict[str, Any]:
-        """The identity of the run, for run.json: what ran, where, with which settings."""
-        env = self.env
-        return {
-            "strategy": self.cfg.strategy,
-            "world_size": env.world_size,
-            "backend": env.backend,
-            "device": env.device.type,
-            "torch_version": torch.__version__,
-            "threads_per_process": torch.get_num_threads() if env.device.type == "cpu" else None,
-            "config": self.cfg.flags(),
-            "model": {"size": self.cfg.model_size, "parameters": self.parameters},
-            **sections,
-        }
 
     def close(self) -> None:
         if self._scalars:
