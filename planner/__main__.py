@@ -1,0 +1,77 @@
+"""`python -m planner`: how much memory each rank needs, per strategy and world size, measured on fake tensors.
+
+    python -m planner --model-size large        # DDP, FSDP and the pipeline at 1, 4, 64 and 1,024 ranks
+    python -m planner --model-size 7b --world-sizes 4,64 --device-memory 80GiB
+    python -m planner --model-size medium --all --json plan.json --out plan.png
+
+Every figure comes from running the scripts' own wrap and one training step of it, in this one process, on a
+fake process group of the world size and fake tensors (planner/measure.py): per rank the parameters, gradients
+and optimizer state (what run.json reports), and the peak of the step. Beside them: the textbook's 16 bytes per
+parameter (AdamW, fp32), divided by the ranks sharing each parameter. docs/scale.md says how to read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from typing import Sequence
+
+from common.config import MODEL_SIZES, OPTIMIZERS, Config
+from common.errors import fail
+from planner.plan import ALL_VARIANTS, DEFAULT_VARIANTS, Plan, plan
+from planner.report import draw, fitting, table
+
+UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_bytes(text: str) -> int:
+    """80GiB, 24 GiB, 500MB, 1e9 -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.e+]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in UNITS:
+        fail(f"--device-memory: expected a size like 80GiB or 24GB, got {text!r}")
+    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m planner", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-size", default="large", choices=MODEL_SIZES, help="BabyCNN's size (--model-size)")
+    parser.add_argument("--world-sizes", default="1,4,64,1024", help="comma-separated numbers of ranks")
+    parser.add_argument("--all", action="store_true", help="every FSDP mode and the GPipe schedule too")
+    parser.add_argument("--per-rank-batch", type=int, default=32, help="samples per rank per step (the suite's: 32)")
+    parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    parser.add_argument("--device-memory", help="memory of one device (80GiB): which plans fit, the largest batch")
+    parser.add_argument("--json", help="also write every plan here")
+    parser.add_argument("--out", help="also draw the plans into this PNG")
+    args = parser.parse_args(argv)
+    try:
+        world_sizes = [int(n) for n in args.world_sizes.split(",")]
+        assert all(n >= 1 for n in world_sizes)
+    except (ValueError, AssertionError):
+        fail(f"--world-sizes: expected numbers of ranks like 1,4,64,1024, got {args.world_sizes!r}")
+    memory = parse_bytes(args.device_memory) if args.device_memory else None
+    started = time.perf_counter()
+    plans: list[Plan] = []
+    for variant in ALL_VARIANTS if args.all else DEFAULT_VARIANTS:
+        for n in world_sizes:
+            base = Config(model_size=args.model_size, optimizer=args.optimizer, batch_size=args.per_rank_batch * n)
+            print(f"planning {variant} on {n} ranks", file=sys.stderr, flush=True)
+            if result := plan(variant, base, n):
+                plans.append(result)
+    print(table(plans, args.model_size, memory=memory))
+    if memory:
+        print(fitting(plans, memory, per_rank_batch=args.per_rank_batch))
+    print(f"({len(plans)} plans in {time.perf_counter() - started:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([p.to_json() for p in plans], f, indent=1)
+    if args.out:
+        draw(plans, args.out, args.model_size, memory=memory)
+        print(f"figure: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

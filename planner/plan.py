@@ -1,0 +1,117 @@
+"""What to plan, and the textbook beside it: the strategy variants a plan covers, each one's layout at a world size,
+the ranks worth measuring, and the textbook's bytes per rank with what the measurement adds to them."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from common.config import Config
+from common.model_sizes import layers, max_stages, parameter_count, state_bytes_theory
+from planner.measure import RankMemory, plan_rank
+
+DEFAULT_VARIANTS = ("ddp", "fsdp full, a unit per layer", "fsdp full, one unit", "pipeline 1f1b")
+ALL_VARIANTS = (
+    *DEFAULT_VARIANTS,
+    "fsdp grad-op, a unit per layer",
+    "fsdp hybrid, a unit per layer",
+    "fsdp none",
+    "pipeline gpipe",
+)
+
+
+@dataclass
+class Plan:
+    """One strategy variant at one world size: what each rank planned holds."""
+
+    variant: str
+    world_size: int
+    model_size: str
+    optimizer: str
+    flags: dict[str, Any]  # the Config fields that make the variant (its run's flags)
+    ranks: list[RankMemory] = field(default_factory=list)
+    textbook_state_bytes: float = 0.0  # 16 bytes per parameter (AdamW, fp32), divided by the ranks sharing it
+    unit_bytes: int = 0  # FSDP: the largest unit's parameters and gradients held whole while it runs
+
+    @property
+    def worst(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.peak_bytes + r.in_flight_bytes)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "ranks": [asdict(r) for r in self.ranks]}
+
+
+def variant_config(variant: str, base: Config, world_size: int) -> Config | None:
+    """The Config of `variant` at `world_size`, or None where it cannot run (hybrid on an odd world, a pipeline
+    whose ranks do not divide the world)."""
+    name, _, units = variant.partition(", ")
+    strategy, _, mode = name.partition(" ")
+    if strategy == "ddp":
+        return replace(base, strategy="ddp")
+    if strategy == "fsdp":
+        if mode == "hybrid" and world_size % 2:
+            return None
+        return replace(base, strategy="fsdp", sharding=mode, shard_units="model" if units == "one unit" else "blocks")
+    pp = min(4, world_size, max_stages(base.model_size))  # a pipeline of up to 4 ranks, the replicas around it
+    if world_size % pp:
+        return None
+    return replace(base, strategy="pippy", schedule=mode, dp=world_size // pp, n_microbatches=max(4, pp))
+
+
+def ranks_to_measure(cfg: Config, world_size: int) -> list[int]:
+    """DDP's ranks all hold the same; FSDP's first ranks the most (dim-0 chunks are ceil(rows / ranks), the last
+    ranks get the rest); a pipeline's ranks hold its different stages (replica 0's)."""
+    if cfg.strategy == "ddp":
+        return [0]
+    if cfg.strategy == "fsdp":
+        return sorted({0, world_size - 1})
+    return list(range(world_size // cfg.dp))
+
+
+def textbook(cfg: Config, world_size: int) -> float:
+    shards = {"ddp": 1, "pippy": world_size}.get(cfg.strategy)
+    if shards is None:  # FSDP: the ranks one parameter is split over
+        shards = {"full": world_size, "grad-op": world_size, "hybrid": world_size // 2, "none": 1}[cfg.sharding]
+    theory = state_bytes_theory(parameter_count(cfg.model_size, cfg.dataset), shards=shards, optimizer=cfg.optimizer)
+    return theory["param_bytes"] + theory["grad_bytes"] + theory["optim_bytes"]
+
+
+def unit_bytes(cfg: Config, world_size: int) -> int:
+    """The parameters and gradients of the largest unit FSDP gathers whole (fp32) while it runs: an FSDP unit, or
+    a pipeline stage sharded over its replicas (--dp)."""
+    params = {layer.name: layer.params for layer in layers(cfg.model_size, cfg.dataset)}
+    if cfg.strategy == "pippy":
+        if cfg.dp == 1:
+            return 0
+        from common.pipeline_layout import PipelineLayout
+
+        names, starts = list(params), PipelineLayout.of(cfg, world_size).stage_starts
+        bounds = [names.index(s) for s in starts] + [len(names)]
+        return 2 * 4 * max(sum(params[n] for n in names[a:b]) for a, b in zip(bounds, bounds[1:]))
+    if cfg.strategy != "fsdp" or cfg.sharding == "none":
+        return 0
+    if cfg.shard_units == "model":
+        largest = sum(params.values())
+    else:  # the features, fc1, each hidden layer (the last with fc2): as train_fsdp.fsdp_units cuts them
+        names = list(params)
+        cuts = [0, names.index("flatten"), *(i for i, n in enumerate(names) if n.startswith("hidden")), len(names)]
+        largest = max(sum(params[n] for n in names[a:b]) for a, b in zip(cuts, cuts[1:]))
+    return 2 * 4 * largest
+
+
+def plan(variant: str, base: Config, world_size: int) -> Plan | None:
+    cfg = variant_config(variant, base, world_size)
+    if cfg is None:
+        return None
+    flags = {k: v for k, v in cfg.flags().items() if k in ("strategy", "sharding", "shard_units", "schedule", "dp")}
+    result = Plan(
+        variant,
+        world_size,
+        cfg.model_size,
+        cfg.optimizer,
+        flags,
+        textbook_state_bytes=textbook(cfg, world_size),
+        unit_bytes=unit_bytes(cfg, world_size),
+    )
+    result.ranks = [plan_rank(cfg, world_size, rank) for rank in ranks_to_measure(cfg, world_size)]
+    return result
