@@ -1,14 +1,68 @@
-"""Memory preflight for CPU runs: too many processes for the machine's memory cost one line before torchrun
-starts, instead of the kernel's OOM killer and a screenful of torchrun noise. No torch here."""
+"""The memory wall, before torchrun starts: a run whose processes cannot fit in the machine's memory (or a GPU's)
+costs one line, with what would fit, instead of the kernel's OOM killer and a screenful of torchrun noise.
+
+What a process needs is the runtime (torch, the data set, gloo: MIB_PER_CPU_PROCESS on a CPU) plus the most
+tensor bytes its rank holds during a step, in closed form here (`planned_peak_bytes`: a test holds it within
+25 % of `python -m planner`, which measures the scripts' own wrap on fake tensors). No torch here.
+"""
 
 from __future__ import annotations
 
-from common.config import ConfigError
+import shutil
+import subprocess
+from dataclasses import replace
+
+from common.config import Config, ConfigError
+from common.model_sizes import layers
 
 # Memory one CPU training process of this suite takes (torch, the built-in data set, BabyCNN, gloo), rounded up
 # from the peak Pss measured per worker (docs/checkpoints.md, "Too many processes", says how). Larger data sets
 # take more: a refusal is always right, a launch let through may still be tight.
 MIB_PER_CPU_PROCESS = 700
+CUDA_CONTEXT_MIB = 1024  # a GPU process's CUDA context and NCCL buffers, outside torch's tensors (about)
+
+
+def planned_peak_bytes(cfg: Config, world_size: int) -> int:
+    """The most tensor bytes one rank of this run holds during a step, for the rank that holds the most.
+    State: 16 bytes per parameter with AdamW in fp32 (12 with SGD), divided by the ranks sharing it; FSDP adds
+    its largest unit gathered whole (parameters and gradients; grad-op keeps every unit's parameters gathered);
+    a pipeline rank holds its stages, with as many micro-batches in flight as the ranks after it; and every rank
+    the activations of its share of the batch."""
+    model = layers(cfg.model_size, cfg.dataset)
+    names = [layer.name for layer in model]
+    params = sum(layer.params for layer in model)
+    state = 16 if cfg.optimizer == "adamw" else 12
+    per_sample = 4 * sum(layer.outputs for layer in model)  # fp32 activations kept for backward
+    if cfg.strategy == "pippy":
+        from common.pipeline_layout import PipelineLayout
+
+        layout = PipelineLayout.of(cfg, world_size)
+        bounds = [names.index(start) for start in layout.stage_starts] + [len(names)]
+        micro_batch = cfg.chunk_size(world_size) // cfg.n_microbatches
+        most = 0
+        for rank in range(layout.pp_size):
+            held = 0
+            for stage in layout.stages_of(rank):
+                part = model[bounds[stage] : bounds[stage + 1]]
+                stage_params = sum(layer.params for layer in part)
+                in_flight = min(layout.pp_size - rank, cfg.n_microbatches) * micro_batch
+                held += state * stage_params // cfg.dp + (8 * stage_params if cfg.dp > 1 else 0)
+                held += in_flight * 4 * sum(layer.outputs for layer in part)
+            most = max(most, held)
+        return most
+    batch = cfg.chunk_size(world_size) * per_sample
+    if cfg.strategy == "ddp" or cfg.sharding == "none":
+        return state * params + batch
+    shards = world_size // 2 if cfg.sharding == "hybrid" else world_size
+    by_layer = {layer.name: layer.params for layer in model}
+    cuts = [0, names.index("flatten"), *(i for i, n in enumerate(names) if n.startswith("hidden")), len(names)]
+    unit = (
+        params
+        if cfg.shard_units == "model"
+        else max(sum(by_layer[n] for n in names[a:b]) for a, b in zip(cuts, cuts[1:]))
+    )
+    gathered = 4 * params if cfg.sharding == "grad-op" else 4 * unit
+    return state * params // shards + gathered + 4 * unit + batch
 
 
 def available_mib() -> int | None:
@@ -23,15 +77,52 @@ def available_mib() -> int | None:
     return None
 
 
-def check_memory(nproc: int, *, on_cpu: bool) -> None:
-    """ConfigError when `nproc` CPU processes cannot fit in the available memory (`on_cpu`: preflight.runs_on_cpu)."""
-    available = available_mib()
-    if available is None or not on_cpu:
+def gpu_mib() -> int | None:
+    """The smallest GPU's memory, from nvidia-smi (no torch here), or None."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout
+        return min(int(line) for line in out.split())
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+def check_memory(cfg: Config, *, nproc: int, world_size: int, on_cpu: bool) -> None:
+    """ConfigError when the run does not fit: on a CPU, `nproc` processes in the available memory; on GPUs, one
+    process in a GPU's memory. `world_size`: the smallest the run may have (a rank then holds the most)."""
+    need_mib = planned_peak_bytes(cfg, world_size) / 2**20 + (MIB_PER_CPU_PROCESS if on_cpu else CUDA_CONTEXT_MIB)
+    if on_cpu:
+        have, where, total = available_mib(), "are available", nproc * need_mib
+    else:
+        have, where, total = gpu_mib(), "a GPU holds", need_mib
+    if have is None or total <= have:
         return
-    if nproc * MIB_PER_CPU_PROCESS > available:
-        fit = available // MIB_PER_CPU_PROCESS
+    if cfg.model_size == "baby" and on_cpu:  # the model is nothing: too many processes is the trouble
+        fit = int(have // need_mib)
         raise ConfigError(
-            f"NPROC={nproc}: {nproc} CPU processes need ~{nproc * MIB_PER_CPU_PROCESS / 1024:.1f} GiB "
-            f"({MIB_PER_CPU_PROCESS} MiB each) but {available / 1024:.1f} GiB are available; at most {fit} fit, "
-            f"so use NPROC={max(fit, 1)} or fewer (or free memory)"
+            f"NPROC={nproc}: {nproc} CPU processes need ~{total / 1024:.1f} GiB ({need_mib:.0f} MiB each) but "
+            f"{have / 1024:.1f} GiB are available; at most {fit} fit, so use NPROC={max(fit, 1)} or fewer "
+            f"(or free memory)"
         )
+    runtime = need_mib - planned_peak_bytes(cfg, world_size) / 2**20
+    instead = "use more processes (a smaller share each), a smaller --model-size or a smaller --batch-size"
+    if cfg.strategy != "fsdp":  # FSDP with a unit per layer: a share of the state, one layer gathered at a time
+        better = replace(cfg, strategy="fsdp", sharding="full", shard_units="blocks")
+        command = f"bash run_fsdp.sh --model-size {cfg.model_size} --shard-units blocks"
+    else:
+        better, command = replace(cfg, shard_units="blocks"), "--shard-units blocks (a layer gathered at a time)"
+    mib = planned_peak_bytes(better, world_size) / 2**20 + runtime
+    if better != cfg and mib * (nproc if on_cpu else 1) <= have:
+        instead = f"this fits (~{mib / 1024:.1f} GiB each): {command}"
+    each = f"{nproc} processes x ~{need_mib / 1024:.1f} GiB" if on_cpu else f"~{need_mib / 1024:.1f} GiB per GPU"
+    strategy = {"ddp": "DDP", "fsdp": f"FSDP {cfg.sharding}", "pippy": "the pipeline"}[cfg.strategy]
+    raise ConfigError(
+        f"--model-size {cfg.model_size}: {strategy} on {world_size} ranks needs {each} (its training state and the "
+        f"peak of a step, as python -m planner plans it, and the runtime) but {have / 1024:.1f} GiB {where}; {instead}"
+    )

@@ -23,6 +23,7 @@ class Layer:
     name: str
     params: int
     flops: int  # forward FLOPs per sample (2 x multiply-adds of a convolution or a linear layer; 0 for the rest)
+    outputs: int  # output values per sample (0 for flatten, a view)
 
 
 def layers(size: str, dataset: str = "digits") -> list[Layer]:
@@ -31,21 +32,22 @@ def layers(size: str, dataset: str = "digits") -> list[Layer]:
     channels, side, classes = DATASET_SHAPES[dataset]
     conv = side - 4  # two 3x3 convolutions without padding
     features = 64 * (conv // 2) ** 2
+    conv1, conv2, pooled = 32 * (side - 2) ** 2, 64 * conv**2, features
     out = [
-        Layer("conv1", 32 * channels * 9 + 32, 2 * (side - 2) ** 2 * 32 * channels * 9),
-        Layer("relu1", 0, 0),
-        Layer("conv2", 64 * 32 * 9 + 64, 2 * conv**2 * 64 * 32 * 9),
-        Layer("norm", 2 * 64 * conv**2, 0),
-        Layer("relu2", 0, 0),
-        Layer("pool", 0, 0),
-        Layer("flatten", 0, 0),
-        Layer("fc1", features * width + width, 2 * features * width),
-        Layer("dropout", 0, 0),
-        Layer("relu3", 0, 0),
+        Layer("conv1", 32 * channels * 9 + 32, 2 * conv1 * channels * 9, conv1),
+        Layer("relu1", 0, 0, conv1),
+        Layer("conv2", 64 * 32 * 9 + 64, 2 * conv2 * 32 * 9, conv2),
+        Layer("norm", 2 * conv2, 0, conv2),
+        Layer("relu2", 0, 0, conv2),
+        Layer("pool", 0, 0, pooled),
+        Layer("flatten", 0, 0, 0),
+        Layer("fc1", features * width + width, 2 * features * width, width),
+        Layer("dropout", 0, 0, width),
+        Layer("relu3", 0, 0, width),
     ]
     for name in (f"hidden{i}" for i in range(1, MODEL_SIZES[size][1])):  # as common/model.py names them
-        out += [Layer(name, width * width + width, 2 * width * width), Layer(f"relu_{name}", 0, 0)]
-    return [*out, Layer("fc2", width * classes + classes, 2 * width * classes)]
+        out += [Layer(name, width * width + width, 2 * width * width, width), Layer(f"relu_{name}", 0, 0, width)]
+    return [*out, Layer("fc2", width * classes + classes, 2 * width * classes, classes)]
 
 
 def parameter_count(size: str, dataset: str = "digits") -> int:

@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if cfg.compile and cfg.device == "cpu":  # (with --device auto the workers check, once torch is loaded)
             require_compiler("cpu")
         if nproc is not None:
-            check_memory(int(nproc), on_cpu=runs_on_cpu(cfg))
+            check_memory(cfg, nproc=int(nproc), world_size=min(world_sizes), on_cpu=runs_on_cpu(cfg))
         # --resume: a setting that would change the run's curve is refused before anything else happens
         meta = latest_meta(cfg.out) if cfg.resume else None
         if meta:

@@ -53,6 +53,14 @@ def table(plans: list[Plan], model_size: str, *, memory: int | None) -> str:
         )
     lines += [
         "",
+        *(
+            [
+                "(The textbook's 7 B table: 112 GB per rank with DDP, 28 GB with FSDP on 4 ranks, "
+                "16 bytes per parameter.)"
+            ]
+            if model_size == "7b"
+            else []
+        ),
         "state - textbook: FSDP's dim-0 padding (rows split as ceil(rows / ranks)), AdamW's step counters, a "
         "pipeline stage's share against an even one. The rest of the peak: activations, temporaries and, in FSDP, "
         "the sharded gradients. Peak: the most tensor bytes during a step on fake tensors "

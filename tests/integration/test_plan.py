@@ -3,15 +3,30 @@ per layer) and a 1F1B run holds exactly the state bytes the planner says (run.js
 bytes), and its measured peak (--measure-peak, the launch's second step) is within 15 % of the planned one (a
 pipeline rank's, of the planned range: gloo may still hold the activation it sent)."""
 
+import json
+import sys
+
 import pytest
 
 from common.cli import parse_config
+from common.config import Config
+from common.memory import planned_peak_bytes
 from planner.measure import plan_rank
-from tests.helpers import SMALL, Run, read_run
+from planner.plan import ranks_to_measure, variant_config
+from tests.helpers import SMALL, Run, read_run, run_command
 
 SIZES = ("baby", "small")
 STRATEGY_FLAGS = {"ddp": [], "fsdp": ["--shard-units", "blocks"], "pippy": ["--n-microbatches", "4"]}
 PEAK_TOLERANCE = 0.15
+# the memory wall's closed form (common/memory.py: the preflight cannot plan with torch) against the planner
+CLOSED_FORM_TOLERANCE = 0.25
+WALL_VARIANTS = (
+    "ddp",
+    "fsdp full, a unit per layer",
+    "fsdp full, one unit",
+    "fsdp grad-op, a unit per layer",
+    "pipeline 1f1b",
+)
 
 
 def flags(size: str, strategy: str, nproc: int) -> list[str]:
@@ -50,3 +65,42 @@ def test_the_plan_is_what_each_rank_of_a_real_run_holds(pool, size, strategy):
             low, high = planned.peak_bytes, planned.peak_bytes + planned.in_flight_bytes
             peak = measured["peak_bytes"]
             assert (1 - PEAK_TOLERANCE) * low <= peak <= (1 + PEAK_TOLERANCE) * high, (where, low, high, peak)
+
+
+@pytest.mark.parametrize("size", ["baby", "small", "medium"])
+def test_the_closed_form_is_within_25_percent_of_the_planner(size):
+    for variant in WALL_VARIANTS:
+        for n in (1, 2, 3, 4):
+            cfg = variant_config(variant, Config(model_size=size, batch_size=32 * n), n)
+            planned = max(plan_rank(cfg, n, rank).peak_bytes for rank in ranks_to_measure(cfg, n))
+            closed = planned_peak_bytes(cfg, n)
+            assert abs(closed - planned) <= CLOSED_FORM_TOLERANCE * planned, (size, variant, n, closed, planned)
+
+
+def test_the_planner_command_for_7b_on_4_ranks(tmp_path):
+    # what the README promises of 7 B: DDP's and FSDP x 4's state per rank next to the textbook's 112 and 28 GB
+    # (this model has 7.13 B parameters: 114.1 and 28.5 GB), and the peak beside them; FSDP gathering the whole
+    # model as one unit peaks far above a unit per layer
+    out = tmp_path / "plan.json"
+    proc = run_command(
+        [sys.executable, "-m", "planner", "--model-size", "7b", "--world-sizes", "4", "--json", str(out)]
+    )
+    plans = {p["variant"]: p for p in json.loads(out.read_text())}
+    n = 7_131_015_562
+    ddp, per_layer, whole = (
+        plans[v]["ranks"][0] for v in ("ddp", "fsdp full, a unit per layer", "fsdp full, one unit")
+    )
+    assert ddp["param_bytes"] + ddp["grad_bytes"] == 8 * n and 8 * n <= ddp["optim_bytes"] <= 8 * n + 4 * 64
+    assert abs(per_layer["param_bytes"] - 4 * n / 4) < 1e6  # a quarter, but for the padding of uneven rows
+    assert plans["fsdp full, a unit per layer"]["textbook_state_bytes"] == 16 * n / 4
+    assert whole["peak_bytes"] > 2 * per_layer["peak_bytes"] > per_layer["param_bytes"] + per_layer["optim_bytes"]
+    assert "| ddp | 4 | 28.52 GB | 28.52 GB | 57.05 GB | 114.10 GB | 114.10 GB |" in proc.stdout
+
+
+def test_the_runner_refuses_a_model_that_does_not_fit_before_torchrun_starts(tmp_path):
+    # 7b with DDP needs ~107 GiB per process: on any machine this suite runs on, one line, exit 2, nothing started
+    out = tmp_path / "too-big"
+    proc = run_command(["bash", "run_ddp.sh", "--model-size", "7b", "--out", str(out)], check=False, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("error: --model-size 7b: DDP on 4 ranks needs 4 processes x ~107")
+    assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists()

@@ -1,0 +1,21 @@
+"""The memory wall before torchrun starts, on a machine of given memory: one line, and the strategy that fits.
+(tests/integration/test_plan.py holds its closed form to the planner.)"""
+
+import pytest
+
+from common.config import Config, ConfigError
+from common.memory import check_memory
+
+
+def test_the_wall_names_what_fits(monkeypatch):
+    import common.memory
+
+    monkeypatch.setattr(common.memory, "available_mib", lambda: 24 * 1024)  # this machine's kind: 24 GiB
+    cfg = Config(model_size="large")
+    with pytest.raises(ConfigError, match="bash run_fsdp.sh --model-size large --shard-units blocks") as refused:
+        check_memory(cfg, nproc=4, world_size=4, on_cpu=True)
+    assert str(refused.value).startswith("--model-size large: DDP on 4 ranks needs 4 processes x")
+    check_memory(Config(model_size="large", strategy="fsdp", shard_units="blocks"), nproc=4, world_size=4, on_cpu=True)
+    with pytest.raises(ConfigError, match="--shard-units blocks"):  # FSDP gathering the whole model does not fit
+        check_memory(Config(model_size="large", strategy="fsdp"), nproc=4, world_size=4, on_cpu=True)
+    check_memory(Config(), nproc=4, world_size=4, on_cpu=True)  # the default run: 4 x ~0.7 GiB
