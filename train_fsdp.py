@@ -180,9 +180,9 @@ def train(cfg: Config, env: DistEnv) -> None:
                 loss.backward()
             loss_sum += loss.detach()
         # [FSDP] Clip once per step, after the last backward, by the norm of the whole gradient: each rank
-        # holds a shard of it, so the sums of squares are added over the "shard" dim of the mesh (hybrid's
-        # "replicate" rows hold the same shards again; none's shard rows are one rank each).
-        grad_norm = clip_grad_norm(model.parameters(), cfg.max_grad_norm, groups=[mesh.get_group("shard")])
+        # holds a shard of it, a DTensor sharded over the "shard" dim of the mesh, so the sums of squares are
+        # added over that dim (hybrid's "replicate" rows hold the same shards again: not over those).
+        grad_norm = clip_grad_norm(model.parameters(), cfg.max_grad_norm)
         with recorder.span("optimizer"):
             optimizer.step()
         # loss_sum is this rank's mean loss; the mean over ranks is the mean over the whole global batch

@@ -230,10 +230,10 @@ def train(cfg: Config, env: DistEnv) -> None:
         dist.all_reduce(loss_sum)
         actions.end_step()  # [PP] the window closes, at the same moment on every rank
         # [PP] Clip by the norm of the whole model, not of this rank's stages: the sums of squares are added
-        # over the pipeline ranks (other stages) and, with --dp, the replicas (FSDP2 shards of each stage), so
-        # every stage scales by the same factor. Every rank takes part, also one without parameters.
-        grad_groups = [mesh.get_group("pp")] + ([mesh.get_group("dp")] if cfg.dp > 1 else [])
-        grad_norm = clip_grad_norm(params, cfg.max_grad_norm, groups=grad_groups)
+        # over the pipeline ranks (other stages) and, with --dp, the replicas (FSDP2 shards of each stage: their
+        # DTensor gradients say so), so every stage scales by the same factor. Every rank takes part, also one
+        # without parameters.
+        grad_norm = clip_grad_norm(params, cfg.max_grad_norm, groups=[mesh.get_group("pp")])
         if optimizer:
             with recorder.span("optimizer"):
                 optimizer.step()

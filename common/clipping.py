@@ -1,7 +1,11 @@
 """Gradient clipping by the global L2 norm of the whole model's gradients, whatever holds them: each rank sums
-the squares of what it holds, the sums are added over the process groups whose ranks hold *different* parts of
-the model (the strategy's choice, in each script), and every rank scales by the same factor. Adding over
-copies, or not adding over shards, gets the norm wrong by sqrt(copies) or sqrt(shards): docs/training.md.
+the squares of what it holds, the sums are added over the ranks that hold *different* parts of the model, and
+every rank scales by the same factor. Adding over copies, or not adding over shards, gets the norm wrong by
+sqrt(copies) or sqrt(shards): docs/training.md.
+
+Which ranks hold different parts, a sharded gradient says itself: a DTensor (FSDP's shards, TP's split layers,
+both on a 2-D mesh) is sharded over the mesh dims whose placement is not Replicate, and replicated over those. What
+no tensor can say, the caller passes as `groups`: a pipeline's ranks hold different stages.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from common.distributed import collective_device, local_part
+from common.distributed import collective_device
 
 
 @torch.no_grad()
@@ -19,13 +23,39 @@ def clip_grad_norm(
     params: Iterable[torch.nn.Parameter], max_norm: float, *, groups: Sequence[dist.ProcessGroup] = ()
 ) -> float:
     """Scale the gradients of `params` so that their global L2 norm is at most `max_norm` (0: measure only),
-    and return the norm before clipping. `groups`: the process groups whose ranks hold different gradients.
-    Every rank of those groups must call this, also one that holds no gradients."""
-    grads = [local_part(p.grad) for p in params if p.grad is not None]
+    and return the norm before clipping. `groups`: process groups whose ranks hold different parameters (not
+    shards of the same DTensors). Every rank of those groups must call this, also one that holds no gradients."""
     device = collective_device() if dist.is_initialized() else torch.device("cpu")
-    sum_sq = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:  # fp32 accumulation whatever the gradients' dtype (bf16 gradients lose digits in a sum)
-        sum_sq += torch.linalg.vector_norm(g, dtype=torch.float32).to(device).square()
+    # one sum of squares per set of mesh dims the gradients are sharded over (plain tensors: none), in the order
+    # the parameters come, which is the same on every rank
+    sums: dict[tuple, torch.Tensor] = {}
+    grads = []
+    for p in params:
+        if p.grad is None:
+            continue
+        g, sharded_over = p.grad, ()
+        if hasattr(g, "placements"):  # a DTensor
+            if any(placement.is_partial() for placement in g.placements):
+                raise ValueError("clip_grad_norm: a gradient is still a partial sum; clip after it is reduced")
+            mesh = g.device_mesh
+            # not is_shard(): FSDP x TP's _StridedShard is a sharding that is no Shard (torch 2.14.1)
+            dims = [d for d, placement in enumerate(g.placements) if not placement.is_replicate()]
+            sharded_over = tuple(mesh.get_group(d) for d in dims)
+            g = g.to_local()
+        grads.append(g)
+        acc = sums.setdefault(sharded_over, torch.zeros((), dtype=torch.float64, device=device))
+        # Never in the gradients' dtype (bf16 loses digits in a sum). On a CPU in fp64: torch 2.14.1's CPU kernel
+        # sums fp32 squares in one running accumulator per lane, 1e-4 off for a million elements (fc1's gradient;
+        # pytorch/pytorch#169237), which is more than the strategies differ by; CUDA's tree reduction is exact
+        # enough in fp32.
+        dtype = torch.float64 if g.device.type == "cpu" else torch.float32
+        acc += torch.linalg.vector_norm(g, dtype=dtype).to(device, torch.float64).square()
+    for sharded_over, acc in sums.items():
+        for group in sharded_over:  # e.g. FSDP x TP: a split layer over "dp" and "tp", a replicated one over "dp"
+            dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=group)
+    sum_sq = torch.zeros((), dtype=torch.float64, device=device)
+    for acc in sums.values():
+        sum_sq += acc
     for group in groups:
         dist.all_reduce(sum_sq, op=dist.ReduceOp.SUM, group=group)
     total = sum_sq.sqrt()

@@ -30,8 +30,9 @@ def require_compiler(device_type: str) -> None:
         raise ConfigError("--compile: inductor's CUDA backend needs Triton; pip install triton, or drop --compile")
 
 
-def compile_modules(modules: list[torch.nn.Module], device: torch.device) -> None:
-    """Compile each of `modules` in place (a graph per module, traced at its first call)."""
+def compile_modules(modules: list[torch.nn.Module], device: torch.device, *, dynamic: bool | None = None) -> None:
+    """Compile each of `modules` in place (a graph per module, traced at its first call). `dynamic`:
+    torch.compile's (None: a shape that changes is made symbolic at the recompile; False: a graph per shape)."""
     require_compiler(device.type)
     for module in modules:
-        module.compile()
+        module.compile(dynamic=dynamic)

@@ -33,7 +33,7 @@ SHARDINGS = ("full", "grad-op", "hybrid", "none")
 SHARD_UNITS = ("model", "blocks")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
-STRATEGIES = ("ddp", "fsdp", "pippy")
+STRATEGIES = ("ddp", "fsdp", "pippy", "tp")
 CHOICES = {  # flag -> (what it names, its values)
     "dataset": ("data set", DATASETS),
     "model_size": ("model size", MODEL_SIZES),
@@ -121,7 +121,8 @@ class Config:
     stages_per_rank: int = 1
     """Pipeline: stages on each rank (2 or more for the interleaved, looped and V schedules)."""
     dp: int = 1
-    """Pipeline: number of data-parallel pipeline replicas (world size = dp x pipeline ranks)."""
+    """Pipeline and TP: number of data-parallel replicas (world size = dp x pipeline or TP ranks); TP shards
+    its replicas with FSDP (FSDP x TP)."""
 
     # --- output, logging, checkpoints ---
     out: str = ""
@@ -239,13 +240,13 @@ class Config:
     def check_world_size(self, world_size: int) -> None:
         """The checks that need the number of processes: every rank must get an equal share of a batch."""
         replicas = self.data_parallel_size(world_size)
-        if self.strategy == "pippy" and world_size % self.dp:
+        if self.strategy in ("pippy", "tp") and world_size % self.dp:
             raise ConfigError(
                 f"--dp: {self.dp} does not divide the world size {world_size}; "
                 f"use a --dp that divides the number of processes"
             )
         if (self.batch_size // self.grad_accum_steps) % replicas:
-            what = "data-parallel replicas (--dp)" if self.strategy == "pippy" else "processes"
+            what = "data-parallel replicas (--dp)" if self.strategy in ("pippy", "tp") else "processes"
             raise ConfigError(
                 f"--batch-size: the global batch {self.batch_size} (/ --grad-accum-steps {self.grad_accum_steps}) "
                 f"does not split evenly over {replicas} {what}; use a multiple of {replicas * self.grad_accum_steps}"
@@ -254,8 +255,21 @@ class Config:
             from common.pipeline_layout import PipelineLayout  # pipeline-only: DDP and FSDP never load it
 
             PipelineLayout.of(self, world_size).check(chunk_size=self.chunk_size(world_size), compile=self.compile)
+        if self.strategy == "tp":
+            self.check_tp_split(world_size // self.dp)
         if self.strategy == "fsdp" and self.sharding == "hybrid" and (world_size < 2 or world_size % 2):
             raise ConfigError(f"--sharding: hybrid needs an even world size (2 replicas x shards), got {world_size}")
+
+    def check_tp_split(self, tp: int) -> None:
+        """TP splits the classifier's width (fc1's outputs, the hidden layers') into `tp` equal slices."""
+        width = MODEL_SIZES[self.model_size][0]
+        if width % tp:
+            fits = ", ".join(str(n * self.dp) for n in (1, 2, 4, 8) if width % n == 0)
+            raise ConfigError(
+                f"--model-size {self.model_size}: its classifier's width {width} does not split over {tp} TP ranks "
+                f"(world size {tp * self.dp} / --dp {self.dp}); use a number of processes whose TP share divides "
+                f"{width} (e.g. {fits} processes, NPROC= for run_tp.sh)"
+            )
 
     def flags(self) -> dict[str, object]:
         """The settings that are flags of this run's script (for run.json)."""
@@ -266,8 +280,8 @@ class Config:
         }
 
     def data_parallel_size(self, world_size: int) -> int:
-        """How many ranks split each global batch (the pipeline splits it only across its replicas)."""
-        return self.dp if self.strategy == "pippy" else world_size
+        """How many ranks split each global batch (the pipeline and TP split it only across their replicas)."""
+        return self.dp if self.strategy in ("pippy", "tp") else world_size
 
     def chunk_size(self, world_size: int) -> int:
         """Samples one data-parallel rank (a pipeline: one replica) runs in one accumulation step: its share of
@@ -280,6 +294,9 @@ class Config:
         if self.strategy == "pippy":
             m = self.n_microbatches
             return f"{self.dp} replicas x {self.grad_accum_steps} accumulation steps x {m} micro-batches x {chunk // m}"
+        if self.strategy == "tp":
+            tp = world_size // self.dp
+            return f"{self.dp} replicas x {self.grad_accum_steps} accumulation steps x {chunk} (the same on its {tp} TP ranks)"
         return f"{world_size} ranks x {self.grad_accum_steps} accumulation steps x {chunk}"
 
 
@@ -299,5 +316,5 @@ STRATEGY_FLAGS = {
     "schedule": ("pippy",),
     "n_microbatches": ("pippy",),
     "stages_per_rank": ("pippy",),
-    "dp": ("pippy",),
+    "dp": ("pippy", "tp"),
 }

@@ -61,6 +61,33 @@ def state_bytes_theory(n_params: int, *, shards: int, optimizer: str) -> dict[st
     return {"parameters": n_params, "shards": shards, **{k: v * n_params / shards for k, v in per_param.items()}}
 
 
+def tp_pairs(size: str) -> list[tuple[str, str]]:
+    """The classifier's linear layers that tensor parallelism splits, as (column-wise, row-wise) pairs: fc1 and
+    the next, and so on. An odd last one (fc2 after an even number of hidden layers) is not in a pair."""
+    linears = ["fc1", *(f"hidden{i}" for i in range(1, MODEL_SIZES[size][1])), "fc2"]
+    return list(zip(linears[0::2], linears[1::2]))
+
+
+def tp_state_bytes_theory(size: str, *, tp: int, dp: int, optimizer: str, dataset: str = "digits") -> dict[str, Any]:
+    """The training state per rank under TP (x FSDP over `dp` replicas): the split parameters divided by `tp`,
+    the others (the convolutions, an odd last layer, the row-wise layers' biases) whole, all of it by `dp`."""
+    by_name = {layer.name: layer for layer in layers(size, dataset)}
+    total = sum(layer.params for layer in by_name.values())
+    # a column-wise layer's weight and bias are split, a row-wise layer's weight (its bias, of its whole output,
+    # is not: every rank adds it once the partial outputs are summed)
+    split = sum(by_name[col].params + by_name[row].params - by_name[row].outputs for col, row in tp_pairs(size))
+    held = (split / tp + total - split) / dp  # parameters per rank
+    per_param = state_bytes_theory(1, shards=1, optimizer=optimizer)
+    return {
+        "parameters": total,
+        "split_parameters": split,
+        "tp": tp,
+        "dp": dp,
+        **{k: per_param[k] * held for k in ("param_bytes", "grad_bytes", "optim_bytes")},
+        "split_param_bytes": 4 * split / tp / dp,  # of param_bytes: the split parameters' (DDP's: 4 * split)
+    }
+
+
 # Where a stage may start. `flatten` always opens a stage: its output is a view, and the zero-bubble schedules
 # reject a stage output that is a view (torch 2.14.1: "Failed to run stage backward input"); so fc1 never does.
 # `dropout` never ends one, as a precaution: in eval mode it returns its input itself (torch 2.14.1 trains and

@@ -70,6 +70,22 @@ def comm_overlap(events: Sequence[dict]) -> dict[str, float]:
     return {"comm_s": comm_s, "hidden_s": overlap_s(as_intervals(comm), as_intervals(compute))}
 
 
+def collectives_by_span(events: Sequence[dict], spans: set[str]) -> dict[str, dict[str, int]]:
+    """From one rank's Chrome trace events: how many collectives of each kind ("gloo:all_reduce") began inside
+    each of the step's named `spans` ("forward", "backward", ...; "other" outside them), e.g. TP's all-reduces
+    in forward and backward, apart from those of the loss and the gradient norm."""
+    named = [e for e in events if e.get("ph") == "X" and e.get("name") in spans and "dur" in e]
+    counts: dict[str, dict[str, int]] = {}
+    for e in events:
+        if e.get("ph") != "X" or not e.get("name", "").startswith(COMM_PREFIXES):
+            continue
+        inside = [s for s in named if s["ts"] <= e["ts"] <= s["ts"] + s["dur"]]
+        span = min(inside, key=lambda s: s["dur"])["name"] if inside else "other"  # the innermost
+        by_name = counts.setdefault(span, {})
+        by_name[e["name"]] = by_name.get(e["name"], 0) + 1
+    return counts
+
+
 class StepProfiler:
     """The profiler of one rank over steps [first, last] (both included)."""
 
@@ -78,11 +94,15 @@ class StepProfiler:
         self.out_dir, self.rank, self.device, self.memory = out_dir, rank, device, memory
         self._profiler: Any = None
         self._step_span: Any = None
+        self._span_names: set[str] = set()
         self.result: dict[str, Any] | None = None
 
     def span(self, name: str) -> ContextManager:
         """A named span in the trace while profiling; a no-op otherwise."""
-        return _OFF if self._profiler is None else torch.profiler.record_function(name)
+        if self._profiler is None:
+            return _OFF
+        self._span_names.add(name)
+        return torch.profiler.record_function(name)
 
     def step_start(self, step: int) -> None:
         if step == self.first:
@@ -118,7 +138,13 @@ class StepProfiler:
         self._profiler.export_chrome_trace(path)
         self._profiler = None
         with open(path) as f:
-            self.result = {"rank": self.rank, "trace": path, **comm_overlap(json.load(f)["traceEvents"])}
+            events = json.load(f)["traceEvents"]
+        self.result = {
+            "rank": self.rank,
+            "trace": path,
+            **comm_overlap(events),
+            "collectives": collectives_by_span(events, self._span_names),
+        }
         if self.memory:
             snapshot = os.path.join(self.out_dir, "traces", f"memory_rank{self.rank}.pickle")
             torch.cuda.memory._dump_snapshot(snapshot)
@@ -139,5 +165,6 @@ class StepProfiler:
             "per_rank": per_rank,
             "definition": "comm_s = time in collectives (gloo/NCCL spans, their union per rank) over the profiled "
             "steps, summed over ranks; comm_hidden_fraction = the part of it during which an operator ran on a "
-            "compute thread of the same rank, divided by comm_s",
+            "compute thread of the same rank, divided by comm_s; per_rank collectives = how many of each kind "
+            "began in each span of the profiled steps",
         }

@@ -44,6 +44,7 @@ class RunRecorder:
                 self._scalars = ScalarWriter(cfg.out)
         self.params: list[torch.nn.Parameter] = []
         self.optimizer: torch.optim.Optimizer | None = None
+        self.parts: dict[str, list[torch.nn.Parameter]] = {}
         self.peak: Any = None
         if cfg.measure_peak and env.device.type == "cpu" and not cfg.compile:  # (a dispatch mode would recompile)
             from common.memory_peak import PeakOfStep  # only with the flag
@@ -57,10 +58,18 @@ class RunRecorder:
                 cfg.profile_steps, out_dir=cfg.out, rank=env.rank, device=env.device, memory=cfg.memory_snapshot
             )
 
-    def track_memory(self, params: Iterable[torch.nn.Parameter], optimizer: torch.optim.Optimizer | None) -> None:
+    def track_memory(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        parts: dict[str, Iterable[torch.nn.Parameter]] | None = None,
+    ) -> None:
         """What this rank keeps between steps (its parameters, their gradients, the optimizer's state): run.json
-        gets its bytes, and with --measure-peak the peak of a step above it."""
+        gets its bytes, and with --measure-peak the peak of a step above it. `parts`: named subsets of `params`
+        whose parameter bytes run.json gives too (TP: the layers it splits)."""
         self.params, self.optimizer = list(params), optimizer
+        self.parts = {name: list(part) for name, part in (parts or {}).items()}
 
     def span(self, name: str) -> ContextManager:
         """A named part of a step in the profiler's trace while --profile-steps profiles it; a no-op otherwise."""
@@ -125,6 +134,8 @@ class RunRecorder:
         was given; the peak with --measure-peak) next to `memory_theory`, the profile, and the strategy's own
         `sections` (mesh=..., pipeline=...); the final line names `files`, the others the run wrote."""
         mine = {"rank": self.env.rank, **measure_memory(self.params, self.optimizer, self.env.device)}
+        if self.parts:
+            mine["param_bytes_of"] = {name: _bytes(part) for name, part in self.parts.items()}
         per_rank: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, {**mine, **({"peak_bytes": self.peak.bytes} if self.peak else {})})
         memory = {"per_rank": per_rank, **({"theory": memory_theory} if memory_theory else {})}
