@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Run a 1-process reference and the three strategies with the same flags, then compare them:
-#   bash run_all.sh                          # defaults: runs/compare/{ref,ddp,fsdp,pippy} + compare.png
+# Run a 1-process reference and the four strategies with the same flags, then compare them:
+#   bash run_all.sh                          # defaults: runs/compare/{ref,ddp,fsdp,pippy,tp} + compare.png
 #   bash run_all.sh --dropout 0 --max-steps 100
 #   OUT=runs/bf16 bash run_all.sh --precision bf16
 # NPROC (default 4) processes for each strategy; the reference is `python train_ddp.py` on one process.
@@ -19,9 +19,9 @@ preflight --flags-only ddp "$@"  # the shared flags, checked once before anythin
 
 echo "== 1-process reference -> $OUT/ref"
 "$PYTHON" train_ddp.py "$@" --out "$OUT/ref"
-for strategy in ddp fsdp pippy; do
+for strategy in ddp fsdp pippy tp; do
   echo "== $strategy on $NPROC processes -> $OUT/$strategy"
   bash "run_$strategy.sh" "$@" --out "$OUT/$strategy"
 done
 echo "== comparison"
-"$PYTHON" -m common.compare "$OUT/ref" "$OUT/ddp" "$OUT/fsdp" "$OUT/pippy" --out "$OUT/compare.png" --markdown
+"$PYTHON" -m common.compare "$OUT/ref" "$OUT/ddp" "$OUT/fsdp" "$OUT/pippy" "$OUT/tp" --out "$OUT/compare.png" --markdown

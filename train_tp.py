@@ -11,6 +11,8 @@ TP rank holds 1/tp of those weights and ends with the whole logits. The convolut
 rank of a replica runs them on the same batch (docs/tp.md). Lines specific to TP are marked `# [TP]`.
 """
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -78,7 +80,7 @@ def apply_tp(model: BabyCNN, mesh: DeviceMesh, cfg: Config, env: DistEnv) -> nn.
     # tp: the first's output is this rank's slice of the features, which the second takes as its input, adds up
     # its partial output with the other TP ranks (an all-reduce) and returns whole. In backward the column-wise
     # layer all-reduces the gradient it returns to the layers before it.
-    parallelize_module(model.to(env.device), mesh["tp"], tp_plan(model, cfg.model_size))
+    parallelize_module(model, mesh["tp"], tp_plan(model, cfg.model_size))
     if cfg.compile:
         from common.compiling import compile_modules  # only with the flag, like every optional feature
 
@@ -88,7 +90,15 @@ def apply_tp(model: BabyCNN, mesh: DeviceMesh, cfg: Config, env: DistEnv) -> nn.
         # arguments, got 3").
         compile_modules([model], env.device, dynamic=False)
     if cfg.dp > 1:
-        fully_shard(model, mesh=mesh["dp"])  # [TP] FSDP x TP: the replicas shard what TP left to each rank
+        # [TP] FSDP x TP: the replicas shard what TP left to each rank, in units as torchtitan shards its blocks:
+        # each linear layer (gathered over "dp" one at a time), then the root for the rest
+        for layer in model.children():
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        # FSDP warns, every forward, that the logits are a view (TP's to_local() of the last layer's output):
+        # only an in-place change of them would matter, and nothing makes one
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     return model
 
 
@@ -116,7 +126,7 @@ def train(cfg: Config, env: DistEnv) -> None:
         image_size=data.image_size,
         num_classes=data.num_classes,
         dropout=cfg.dropout,
-    )
+    ).to(env.device)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"BabyCNN {cfg.model_size}: {n_params:,} parameters")
     seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks

@@ -55,8 +55,8 @@ class Run:
             parts.append(c.get("sharding", ""))
         if strategy == "pippy":
             parts.append(f"{c.get('schedule')} m={c.get('n_microbatches')}")
-            if c.get("dp", 1) > 1:
-                parts.append(f"dp={c['dp']}")
+        if strategy in ("pippy", "tp") and c.get("dp", 1) > 1:
+            parts.append(f"dp={c['dp']}")
         if c.get("grad_accum_steps", 1) > 1:
             parts.append(f"accum={c['grad_accum_steps']}")
         if c.get("precision") != "fp32":

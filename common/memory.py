@@ -13,7 +13,7 @@ import subprocess
 from dataclasses import replace
 
 from common.config import Config, ConfigError
-from common.model_sizes import layers
+from common.model_sizes import layers, tp_fsdp_units
 
 # Memory one CPU training process of this suite takes (torch, the built-in data set, BabyCNN, gloo), rounded up
 # from the peak Pss measured per worker (docs/checkpoints.md, "Too many processes", says how). Larger data sets
@@ -25,7 +25,8 @@ CUDA_CONTEXT_MIB = 1024  # a GPU process's CUDA context and NCCL buffers, outsid
 def planned_peak_bytes(cfg: Config, world_size: int) -> int:
     """The most tensor bytes one rank of this run holds during a step, for the rank that holds the most.
     State: 16 bytes per parameter with AdamW in fp32 (12 with SGD), divided by the ranks sharing it; FSDP adds
-    its largest unit gathered whole (parameters and gradients; grad-op keeps every unit's parameters gathered);
+    its largest unit gathered whole (parameters and gradients; grad-op keeps every unit's parameters gathered;
+    FSDP x TP gathers a TP rank's part of the model);
     a pipeline rank holds its stages, with as many micro-batches in flight as the ranks after it; and every rank
     the activations of its share of the batch."""
     model = layers(cfg.model_size, cfg.dataset)
@@ -51,6 +52,12 @@ def planned_peak_bytes(cfg: Config, world_size: int) -> int:
             most = max(most, held)
         return most
     batch = cfg.chunk_size(world_size) * per_sample
+    if cfg.strategy == "tp":  # a TP rank holds 1/tp of the split parameters and all others; --dp shards that
+        units = tp_fsdp_units(cfg.model_size, world_size // cfg.dp, cfg.dataset)
+        local = int(sum(units))
+        if cfg.dp == 1:
+            return state * local + batch
+        return state * local // cfg.dp + 8 * int(max(units)) + batch  # the largest unit gathered, its gradients
     if cfg.strategy == "ddp" or cfg.sharding == "none":
         return state * params + batch
     shards = world_size // 2 if cfg.sharding == "hybrid" else world_size
@@ -121,7 +128,7 @@ def check_memory(cfg: Config, *, nproc: int, world_size: int, on_cpu: bool) -> N
     if better != cfg and mib * (nproc if on_cpu else 1) <= have:
         instead = f"this fits (~{mib / 1024:.1f} GiB each): {command}"
     each = f"{nproc} processes x ~{need_mib / 1024:.1f} GiB" if on_cpu else f"~{need_mib / 1024:.1f} GiB per GPU"
-    strategy = {"ddp": "DDP", "fsdp": f"FSDP {cfg.sharding}", "pippy": "the pipeline"}[cfg.strategy]
+    strategy = {"ddp": "DDP", "fsdp": f"FSDP {cfg.sharding}", "pippy": "the pipeline", "tp": "TP"}[cfg.strategy]
     raise ConfigError(
         f"--model-size {cfg.model_size}: {strategy} on {world_size} ranks needs {each} (its training state and the "
         f"peak of a step, as python -m planner plans it, and the runtime) but {have / 1024:.1f} GiB {where}; {instead}"

@@ -68,22 +68,44 @@ def tp_pairs(size: str) -> list[tuple[str, str]]:
     return list(zip(linears[0::2], linears[1::2]))
 
 
-def tp_state_bytes_theory(size: str, *, tp: int, dp: int, optimizer: str, dataset: str = "digits") -> dict[str, Any]:
-    """The training state per rank under TP (x FSDP over `dp` replicas): the split parameters divided by `tp`,
-    the others (the convolutions, an odd last layer, the row-wise layers' biases) whole, all of it by `dp`."""
+def tp_layer_params(size: str, tp: int, dataset: str = "digits") -> dict[str, float]:
+    """The parameters one TP rank of `tp` holds of each layer: a column-wise layer's weight and bias are split, a
+    row-wise layer's weight (its bias, of its whole output, is not: every rank adds it once the partial outputs
+    are summed); the other layers are whole."""
+    split = _tp_split_params(size, dataset)
+    return {layer.name: layer.params - split.get(layer.name, 0) * (1 - 1 / tp) for layer in layers(size, dataset)}
+
+
+def tp_fsdp_units(size: str, tp: int, dataset: str = "digits") -> list[float]:
+    """FSDP x TP's units, as train_tp.py makes them: the parameters a TP rank holds of each linear layer, then of
+    the rest (the root unit)."""
+    held = tp_layer_params(size, tp, dataset)
+    linears = [n for name, n in held.items() if name.startswith(("fc", "hidden"))]
+    return [*linears, sum(held.values()) - sum(linears)]
+
+
+def _tp_split_params(size: str, dataset: str) -> dict[str, int]:
+    """The parameters TP splits, by layer."""
     by_name = {layer.name: layer for layer in layers(size, dataset)}
-    total = sum(layer.params for layer in by_name.values())
-    # a column-wise layer's weight and bias are split, a row-wise layer's weight (its bias, of its whole output,
-    # is not: every rank adds it once the partial outputs are summed)
-    split = sum(by_name[col].params + by_name[row].params - by_name[row].outputs for col, row in tp_pairs(size))
-    held = (split / tp + total - split) / dp  # parameters per rank
+    split = {}
+    for col, row in tp_pairs(size):
+        split[col] = by_name[col].params
+        split[row] = by_name[row].params - by_name[row].outputs  # the weight; the bias has one value per output
+    return split
+
+
+def tp_state_bytes_theory(size: str, *, tp: int, dp: int, optimizer: str, dataset: str = "digits") -> dict[str, Any]:
+    """The training state per rank under TP (x FSDP over `dp` replicas): what tp_layer_params gives a TP rank,
+    divided by `dp`."""
+    held = tp_layer_params(size, tp, dataset)
+    split = sum(_tp_split_params(size, dataset).values())
     per_param = state_bytes_theory(1, shards=1, optimizer=optimizer)
     return {
-        "parameters": total,
+        "parameters": parameter_count(size, dataset),
         "split_parameters": split,
         "tp": tp,
         "dp": dp,
-        **{k: per_param[k] * held for k in ("param_bytes", "grad_bytes", "optim_bytes")},
+        **{k: per_param[k] * sum(held.values()) / dp for k in ("param_bytes", "grad_bytes", "optim_bytes")},
         "split_param_bytes": 4 * split / tp / dp,  # of param_bytes: the split parameters' (DDP's: 4 * split)
     }
 

@@ -4,7 +4,7 @@ In one process, for any world size: a fake process group (`torch.testing._intern
 collectives that return at once and move nothing) stands in for the other ranks, and `FakeTensorMode` gives
 every tensor a shape, a dtype and a device but no memory, so a 7 B model costs nothing. The model is built
 by `common.model.build_model` and wrapped by the scripts' own functions (`apply_ddp`, `fsdp_mesh` and
-`apply_fsdp`, `apply_pipeline` and `make_schedule`); the optimizer is `build_optimizer`'s. What this rank
+`apply_fsdp`, `apply_pipeline` and `make_schedule`, `tp_mesh` and `apply_tp`); the optimizer is `build_optimizer`'s. What this rank
 holds is counted as a run counts it: `measure_memory` for the state (run.json's param/grad/optim bytes), and
 `common.memory_peak.PeakBytes` for the peak of a step (run.json's peak_bytes with --measure-peak).
 
@@ -94,7 +94,7 @@ def plan_rank(cfg: Config, world_size: int, rank: int) -> RankMemory:
     _fake_world(world_size, rank)
     env = DistEnv(rank, 0, world_size, 1, torch.device("cpu"), "fake")
     cfg = replace(cfg, compile=False, grad_accum_steps=1)
-    step = {"ddp": _ddp_step, "fsdp": _fsdp_step, "pippy": _pipeline_step}[cfg.strategy]
+    step = {"ddp": _ddp_step, "fsdp": _fsdp_step, "pippy": _pipeline_step, "tp": _tp_step}[cfg.strategy]
     try:
         return step(cfg, env, FakeTensorMode)
     finally:
@@ -136,6 +136,37 @@ def _fsdp_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
         with tracker:
             optimizer.zero_grad(set_to_none=True)
             images, labels = _batch(cfg, cfg.chunk_size(env.world_size))
+            F.cross_entropy(model(images), labels).backward()
+            optimizer.step()
+        memory = measure_memory(model.parameters(), optimizer, env.device)
+    return _result(env.rank, memory, tracker, {})
+
+
+def _tp_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
+    from train_tp import apply_tp, tp_mesh
+
+    from unittest import mock
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = tp_mesh(cfg, env)  # outside the fake mode: making a mesh communicates
+    # FSDP x TP joins "dp" and "tp" into one mesh as it wraps, which computes on the mesh's real rank map: that
+    # bookkeeping runs outside the fake mode (torch 2.14.1: inside, it fails on a real tensor)
+    concatenate = DeviceMesh._concatenate
+
+    def concatenate_for_real(meshes: list[DeviceMesh]) -> DeviceMesh:
+        with unset_fake_temporarily():
+            return concatenate(meshes)
+
+    with fake_mode(), mock.patch.object(DeviceMesh, "_concatenate", staticmethod(concatenate_for_real)):
+        model = apply_tp(_model(cfg), mesh, cfg, env)
+        optimizer = build_optimizer(model.parameters(), cfg)
+        _warm(list(model.parameters()), optimizer)
+        tracker = PeakBytes(state_tensors(model.parameters(), optimizer))
+        with tracker:
+            optimizer.zero_grad(set_to_none=True)
+            images, labels = _batch(cfg, cfg.chunk_size(env.world_size))  # the replica's batch, on each TP rank
             F.cross_entropy(model(images), labels).backward()
             optimizer.step()
         memory = measure_memory(model.parameters(), optimizer, env.device)

@@ -7,10 +7,17 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from common.config import Config
-from common.model_sizes import layers, max_stages, parameter_count, state_bytes_theory
+from common.model_sizes import (
+    layers,
+    max_stages,
+    parameter_count,
+    state_bytes_theory,
+    tp_fsdp_units,
+    tp_state_bytes_theory,
+)
 from planner.measure import RankMemory, plan_rank
 
-DEFAULT_VARIANTS = ("ddp", "fsdp full, a unit per layer", "fsdp full, one unit", "pipeline 1f1b")
+DEFAULT_VARIANTS = ("ddp", "fsdp full, a unit per layer", "fsdp full, one unit", "pipeline 1f1b", "fsdp x tp")
 ALL_VARIANTS = (
     *DEFAULT_VARIANTS,
     "fsdp grad-op, a unit per layer",
@@ -43,7 +50,10 @@ class Plan:
 
 def variant_config(variant: str, base: Config, world_size: int) -> Config | None:
     """The Config of `variant` at `world_size`, or None where it cannot run (hybrid on an odd world, a pipeline
-    whose ranks do not divide the world)."""
+    whose ranks do not divide the world, TP on an odd one)."""
+    if variant == "fsdp x tp":  # TP over up to 8 ranks (its all-reduces want one machine's links), FSDP across
+        tp = max(t for t in (1, 2, 4, 8) if world_size % t == 0)
+        return replace(base, strategy="tp", dp=world_size // tp) if tp > 1 or world_size == 1 else None
     name, _, units = variant.partition(", ")
     strategy, _, mode = name.partition(" ")
     if strategy == "ddp":
@@ -63,12 +73,16 @@ def ranks_to_measure(cfg: Config, world_size: int) -> list[int]:
     ranks get the rest); a pipeline's ranks hold its different stages (replica 0's)."""
     if cfg.strategy == "ddp":
         return [0]
-    if cfg.strategy == "fsdp":
+    if cfg.strategy in ("fsdp", "tp"):  # TP: its ranks hold equal slices; FSDP over --dp, uneven ones
         return sorted({0, world_size - 1})
     return list(range(world_size // cfg.dp))
 
 
 def textbook(cfg: Config, world_size: int) -> float:
+    if cfg.strategy == "tp":  # the split parameters over tp and dp, the others over dp
+        tp = world_size // cfg.dp
+        theory = tp_state_bytes_theory(cfg.model_size, tp=tp, dp=cfg.dp, optimizer=cfg.optimizer, dataset=cfg.dataset)
+        return theory["param_bytes"] + theory["grad_bytes"] + theory["optim_bytes"]
     shards = {"ddp": 1, "pippy": world_size}.get(cfg.strategy)
     if shards is None:  # FSDP: the ranks one parameter is split over
         shards = {"full": world_size, "grad-op": world_size, "hybrid": world_size // 2, "none": 1}[cfg.sharding]
@@ -88,6 +102,8 @@ def unit_bytes(cfg: Config, world_size: int) -> int:
         names, starts = list(params), PipelineLayout.of(cfg, world_size).stage_starts
         bounds = [names.index(s) for s in starts] + [len(names)]
         return 2 * 4 * max(sum(params[n] for n in names[a:b]) for a, b in zip(bounds, bounds[1:]))
+    if cfg.strategy == "tp":  # FSDP x TP: a TP rank's part of its largest unit, gathered over the replicas
+        return 2 * 4 * int(max(tp_fsdp_units(cfg.model_size, world_size // cfg.dp, cfg.dataset))) if cfg.dp > 1 else 0
     if cfg.strategy != "fsdp" or cfg.sharding == "none":
         return 0
     if cfg.shard_units == "model":

@@ -24,7 +24,8 @@ def _peak_parts(p: Plan) -> str:
     if p.flags["strategy"] == "ddp":
         said.append(f"of which DDP's gradient buckets {size(worst.grad_bytes)}, kept all step")
     if p.unit_bytes:
-        what = "a stage gathered over its replicas" if p.flags["strategy"] == "pippy" else "the largest unit"
+        what = {"pippy": "a stage gathered over its replicas", "tp": "the largest unit's TP slice"}
+        what = what.get(p.flags["strategy"], "the largest unit")
         said.append(f"of which {what} whole (parameters and gradients) {size(p.unit_bytes)}")
     if worst.in_flight_bytes:
         said.append(f"+ up to {size(worst.in_flight_bytes)} sent and not yet let go by the backend")

@@ -8,7 +8,7 @@ import pytest
 
 from tests.helpers import PARITY, env_for_tests, read_metrics, run_command
 
-RUNS = ("ref", "ddp", "fsdp", "pippy")
+RUNS = ("ref", "ddp", "fsdp", "pippy", "tp")
 STEPS = 12  # what the comparison needs; the parity itself is tested at length in the strategies' own files
 
 
@@ -55,7 +55,7 @@ def test_table_numbers_match_the_metrics(run_all):
         assert row["test accuracy"] == f"{100 * evals[-1]['test_accuracy']:.2f}%"
         assert row["steps"] == str(len(train)) == str(STEPS)
         assert int(row["world size"]) == (1 if name == "ref" else 2)
-    assert rows["fsdp"]["settings"].startswith("fsdp") and rows["pippy"]["settings"].startswith("pippy")
+    assert all(rows[name]["settings"].startswith(name) for name in RUNS[1:])
 
 
 def test_equal_runs_have_equal_curves(run_all):
