@@ -296,7 +296,8 @@ class Config:
             return f"{self.dp} replicas x {self.grad_accum_steps} accumulation steps x {m} micro-batches x {chunk // m}"
         if self.strategy == "tp":
             tp = world_size // self.dp
-            return f"{self.dp} replicas x {self.grad_accum_steps} accumulation steps x {chunk} (the same on its {tp} TP ranks)"
+            steps = self.grad_accum_steps
+            return f"{self.dp} replicas x {steps} accumulation steps x {chunk} (the same on its {tp} TP ranks)"
         return f"{world_size} ranks x {self.grad_accum_steps} accumulation steps x {chunk}"
 
 

@@ -4,9 +4,10 @@ In one process, for any world size: a fake process group (`torch.testing._intern
 collectives that return at once and move nothing) stands in for the other ranks, and `FakeTensorMode` gives
 every tensor a shape, a dtype and a device but no memory, so a 7 B model costs nothing. The model is built
 by `common.model.build_model` and wrapped by the scripts' own functions (`apply_ddp`, `fsdp_mesh` and
-`apply_fsdp`, `apply_pipeline` and `make_schedule`, `tp_mesh` and `apply_tp`); the optimizer is `build_optimizer`'s. What this rank
-holds is counted as a run counts it: `measure_memory` for the state (run.json's param/grad/optim bytes), and
-`common.memory_peak.PeakBytes` for the peak of a step (run.json's peak_bytes with --measure-peak).
+`apply_fsdp`, `apply_pipeline` and `make_schedule`, `tp_mesh` and `apply_tp`); the optimizer is
+`build_optimizer`'s. What this rank holds is counted as a run counts it: `measure_memory` for the state
+(run.json's param/grad/optim bytes), and `common.memory_peak.PeakBytes` for the peak of a step (run.json's
+peak_bytes with --measure-peak).
 
 DDP cannot be built on fake tensors as the script builds it (its constructor broadcasts the weights and reads
 data), so the planner passes init_sync=False and a do-nothing communication hook (DDP's own `noop_hook`), and
@@ -143,12 +144,12 @@ def _fsdp_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
 
 
 def _tp_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
-    from train_tp import apply_tp, tp_mesh
-
     from unittest import mock
 
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
+
+    from train_tp import apply_tp, tp_mesh
 
     mesh = tp_mesh(cfg, env)  # outside the fake mode: making a mesh communicates
     # FSDP x TP joins "dp" and "tp" into one mesh as it wraps, which computes on the mesh's real rank map: that
