@@ -152,6 +152,7 @@ def test_a_machine_joins_then_dies_and_the_curve_goes_on(reference, tmp_path):
         ("run_ddp.sh", {"NNODES": "1:2"}, "MASTER_ADDR is not set"),
         ("run_fsdp.sh", {"NNODES": "1:2", "RDZV_KEEP_ALIVE_S": "0.5"}, "RDZV_KEEP_ALIVE_S=0.5 must be a whole number"),
         ("run_pippy.sh", {"NNODES": "1:2", "MASTER_ADDR": "127.0.0.1"}, "NNODES=1:2: elastic training is supported"),
+        ("run_tp.sh", {"NNODES": "1:2", "MASTER_ADDR": "127.0.0.1"}, "NNODES=1:2: elastic training is supported"),
     ],
 )
 def test_runner_refuses_what_it_cannot_launch_in_one_line(script, env, named):

@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers import SMALL, Run, env_for_tests, launch, losses, max_abs_diff, run_command
 
-STRATEGIES = ("ddp", "fsdp", "pippy")
+STRATEGIES = ("ddp", "fsdp", "pippy", "tp")
 # --lr 2e-3: AdamW turns a 1-ulp gradient difference into ~1e-3 of loss within ~20 steps, so only an exact
 # resume passes max |dloss| == 0 here
 EXACT = [

@@ -1,17 +1,20 @@
 """BabyCNN at a larger size (small: 12.7 M parameters, a classifier of four layers): DDP, FSDP (the model as one
-unit, and a unit per layer) and the pipeline (its balanced cut) on 4 ranks follow one process over 20 steps, and
-a checkpoint of that size crosses strategies (DDP's resumed by FSDP, FSDP's by the pipeline). With SGD: AdamW at
---lr 1e-4 is already chaotic at this size (one process and 4 ranks, 2e-7 apart at step 4, 2e-3 by step 14),
-SGD keeps them within 5e-7 over the 20 steps (measured)."""
+unit, and a unit per layer), the pipeline (its balanced cut), TP (x 2 and x 4) and FSDP x TP (2 x 2) follow one
+process over 20 clipped steps, losses and grad_norm, and a checkpoint of that size crosses strategies (DDP's
+resumed by FSDP, FSDP's by the pipeline). With SGD: AdamW at --lr 1e-4 is already chaotic at this size (one
+process and 4 ranks, 2e-7 apart at step 4, 2e-3 by step 14). SGD at --lr 0.005 clipped to 0.32 keeps the
+losses together but lets grad_norm drift 7e-5 by step 20 (1 thread against 4 ranks); at --lr 0.002 every run
+here stays within 5e-9 of one process in grad_norm and 5e-7 in the loss (measured)."""
 
 import json
 
 import pytest
 
 from common.model_sizes import stage_starts
-from tests.helpers import PARITY, SGD, Run, losses, max_abs_diff, read_run
+from tests.helpers import PARITY, SGD, Run, losses, max_abs_diff, read_metrics, read_run
 
-FLAGS = [*PARITY, *SGD, "--model-size", "small", "--max-steps", "20", "--checkpoint-every", "10"]
+FLAGS = [*PARITY, *SGD, "--lr", "0.002", "--max-grad-norm", "0.32", "--model-size", "small", "--max-steps", "20"]
+FLAGS += ["--checkpoint-every", "10", "--threads", "1"]  # one thread per process, as the 4 ranks have
 
 POOLED = {
     "reference": Run("ddp", FLAGS, nproc=1),
@@ -19,9 +22,17 @@ POOLED = {
     "fsdp": Run("fsdp", FLAGS),
     "fsdp-units": Run("fsdp", [*FLAGS, "--shard-units", "blocks"]),
     "pipeline": Run("pippy", FLAGS),
+    "tp": Run("tp", FLAGS),
+    "fsdp-x-tp": Run("tp", [*FLAGS, "--dp", "2"]),
+    "tp-2": Run("tp", FLAGS, nproc=2),
     "fsdp-from-ddp": Run("fsdp", [*FLAGS, "--shard-units", "blocks", "--resume"], rewound_from=("scale/ddp", 10)),
     "pipeline-from-fsdp": Run("pippy", [*FLAGS, "--resume"], rewound_from=("scale/fsdp-units", 10)),
 }
+
+
+def grad_norms(out) -> list[float]:
+    train, _ = read_metrics(out)
+    return [train[s]["grad_norm"] for s in sorted(train)]
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +44,7 @@ def runs(pool):
 def test_every_strategy_follows_one_process_at_size(runs, name):
     assert len(losses(runs / name)) == 20
     assert max_abs_diff(losses(runs / name), losses(runs / "reference")) <= 1e-4, name
+    assert max_abs_diff(grad_norms(runs / name), grad_norms(runs / "reference")) <= 1e-4, name
     run = read_run(runs / name)
     assert run["model"] == {"size": "small", "parameters": 12_689_802}
 
@@ -43,3 +55,8 @@ def test_the_pipeline_runs_the_balanced_cut_of_the_larger_size(runs):
     layers = json.loads((runs / "pipeline" / "timeline.json").read_text())["stage_layers"]
     assert tuple(stage[0] for stage in layers) == stage_starts("small", 4) != stage_starts("baby", 4)
     assert [name for stage in layers for name in stage][-1] == "fc2"
+
+
+def test_the_clipping_is_active(runs):
+    norms = grad_norms(runs / "reference")
+    assert 5 <= sum(n > 0.32 for n in norms) < len(norms), norms  # clipped on some steps, not on others

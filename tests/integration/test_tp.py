@@ -1,0 +1,120 @@
+"""Tensor parallelism on real processes (gloo): TP and FSDP x TP follow one process, their checkpoints resume
+exactly, reshard to another TP degree and cross to and from DDP and FSDP; what each rank holds (run.json) and
+the collectives TP adds (the profile); bad input refused before torchrun. Clipped parity, on 2 and 4 ranks:
+test_essentials.py; at a larger size: test_scale.py; a resume at a chaotic learning rate: test_resume.py."""
+
+import pytest
+
+from common.model import build_model
+from tests.helpers import PP_PARITY, Run, env_for_tests, losses, max_abs_diff, read_metrics, read_run, run_command
+
+# The 1-process reference "pipeline" (tests/integration/conftest.py) runs these flags, with a checkpoint after
+# step 12 for TP to resume; TP's own runs checkpoint there too.
+AT_12 = [*PP_PARITY, "--checkpoint-every", "12"]
+RESUME = [*AT_12, "--resume"]
+FSDP_X_TP = ["--dp", "2"]
+
+# Trainings in the shared launches (tests/integration/conftest.py)
+POOLED = {
+    "tp": Run("tp", [*AT_12, "--profile-steps", "2:3"]),  # 4-way TP
+    "fsdp-x-tp": Run("tp", [*AT_12, *FSDP_X_TP]),  # 2 replicas x 2-way TP
+    "fsdp-x-tp-resumed": Run("tp", [*RESUME, *FSDP_X_TP], rewound_from=("tp/fsdp-x-tp", 12)),
+    "tp-from-ddp": Run("tp", RESUME, rewound_from=("references/pipeline", 12)),  # DDP's 1-process checkpoint
+    "fsdp-from-tp": Run("fsdp", RESUME, rewound_from=("tp/tp", 12)),
+    "fsdp-x-tp-from-tp": Run("tp", [*RESUME, *FSDP_X_TP], rewound_from=("tp/tp", 12)),  # onto the 2-D mesh
+    "tp2-from-tp4": Run("tp", RESUME, nproc=2, rewound_from=("tp/tp", 12)),  # 4-way TP's shards, 2-way
+    "bf16": Run("tp", [*PP_PARITY, "--precision", "bf16"], nproc=2),
+}
+CROSSINGS = ["tp-from-ddp", "fsdp-from-tp", "fsdp-x-tp-from-tp", "tp2-from-tp4"]
+
+
+@pytest.fixture(scope="module")
+def runs(pool):
+    return pool / "tp"
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references["pipeline"]
+
+
+def grad_norms(out) -> list[float]:
+    train, _ = read_metrics(out)
+    return [train[s]["grad_norm"] for s in sorted(train)]
+
+
+@pytest.mark.parametrize("name", ["tp", "fsdp-x-tp"])
+def test_tp_follows_one_process(runs, reference, name):
+    assert len(losses(runs / name)) == 20
+    assert max_abs_diff(losses(runs / name), losses(reference)) <= 1e-4
+    assert max_abs_diff(grad_norms(runs / name), grad_norms(reference)) <= 1e-4
+    # the test set is split over the replicas only (a replica's TP ranks evaluate the same images): the same count
+    assert read_metrics(runs / name)[1][-1]["test_accuracy"] == read_metrics(reference)[1][-1]["test_accuracy"]
+
+
+def test_fsdp_x_tp_resumes_its_own_checkpoint_bit_for_bit(runs):
+    full, again = read_metrics(runs / "fsdp-x-tp"), read_metrics(runs / "fsdp-x-tp-resumed")
+    timing = ("samples_per_s", "step_time_s")
+    strip = lambda records: [{k: v for k, v in r.items() if k not in timing} for r in records]  # noqa: E731
+    assert strip(full[0].values()) == strip(again[0].values()) and len(full[0]) == 20
+    assert full[1] == again[1]  # the evaluations too
+
+
+@pytest.mark.parametrize("name", CROSSINGS)
+def test_checkpoints_cross_strategies_and_tp_degrees_on_the_same_curve(runs, reference, name):
+    # resumed after step 12 of another strategy or TP degree, the run goes on along the 1-process curve
+    assert len(losses(runs / name)) == 20
+    assert max_abs_diff(losses(runs / name)[12:], losses(reference)[12:]) <= 1e-4, name
+    assert read_run(runs / name)["strategy"] == ("fsdp" if name == "fsdp-from-tp" else "tp")
+
+
+def split_parameter_count() -> int:
+    """What TP splits of BabyCNN: fc1 (column-wise: weight and bias) and fc2's weight (row-wise)."""
+    model = build_model(seed=0, in_channels=1, image_size=28, num_classes=10, dropout=0.0)
+    return model.fc1.weight.numel() + model.fc1.bias.numel() + model.fc2.weight.numel()
+
+
+@pytest.mark.parametrize("name, tp, dp", [("tp", 4, 1), ("fsdp-x-tp", 2, 2)])
+def test_each_rank_holds_its_slice_of_the_split_layers(runs, name, tp, dp):
+    run = read_run(runs / name)
+    ddp_bytes = 4 * split_parameter_count()  # what DDP holds of them on every rank
+    assert run["mesh"] == {"dp": dp, "tp": tp} and run["tp"]["split_layers"] == [["fc1", "fc2"]]
+    theory = run["memory"]["theory"]
+    assert theory["split_param_bytes"] == ddp_bytes / tp / dp
+    for rank in run["memory"]["per_rank"]:
+        assert rank["param_bytes_of"]["split"] == ddp_bytes / tp / dp  # 1/tp of DDP's (and FSDP's 1/dp of that)
+        assert rank["param_bytes"] == theory["param_bytes"] == rank["grad_bytes"]
+
+
+def test_the_profile_names_the_collectives_tp_adds(runs):
+    # 2 profiled steps: per step one all-reduce in forward (fc2, row-wise: its partial outputs) and one in
+    # backward (fc1, column-wise: the gradient of its input); outside both, the loss's and the norm's
+    for rank in read_run(runs / "tp")["profile"]["per_rank"]:
+        collectives = rank["collectives"]
+        assert collectives["forward"] == {"gloo:all_reduce": 2} and collectives["backward"] == {"gloo:all_reduce": 2}
+        assert collectives["other"] == {"gloo:all_reduce": 4}
+
+
+def test_bf16_follows_fp32_closely(runs, reference):
+    # autocast: the split matmuls in bf16, their partial sums added in bf16; the master weights stay fp32
+    # (measured: 2e-4 apart at step 1, 5e-3 at most over the 20 steps)
+    bf16, fp32 = losses(runs / "bf16"), losses(reference)
+    assert abs(bf16[0] - fp32[0]) <= 1e-3 and max_abs_diff(bf16, fp32) <= 2e-2
+    memory = read_run(runs / "bf16")["memory"]
+    assert all(rank["param_bytes"] == memory["theory"]["param_bytes"] for rank in memory["per_rank"])  # fp32
+
+
+@pytest.mark.parametrize(
+    "env, flags, named",
+    [
+        ({"NPROC": "3"}, [], "--model-size baby: its classifier's width 128 does not split over 3 TP ranks"),
+        ({"NPROC": "4"}, ["--dp", "3"], "--dp: 3 does not divide the world size 4"),
+        ({"NPROC": "4"}, ["--dp", "2", "--batch-size", "63"], "does not split evenly over 2 data-parallel replicas"),
+    ],
+)
+def test_bad_input_is_one_line_before_torchrun(tmp_path, env, flags, named):
+    out = tmp_path / "out"
+    proc = run_command(["bash", "run_tp.sh", *flags, "--out", str(out)], env={**env_for_tests(), **env}, check=False)
+    assert proc.returncode == 2 and proc.stdout == "" and not out.exists()
+    [line] = proc.stderr.splitlines()
+    assert line.startswith("error: ") and named in line
