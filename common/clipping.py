@@ -26,36 +26,25 @@ def clip_grad_norm(
     and return the norm before clipping. `groups`: process groups whose ranks hold different parameters (not
     shards of the same DTensors). Every rank of those groups must call this, also one that holds no gradients."""
     device = collective_device() if dist.is_initialized() else torch.device("cpu")
-    # one sum of squares per set of mesh dims the gradients are sharded over (plain tensors: none), in the order
-    # the parameters come, which is the same on every rank
+    # a sum of squares per set of groups to add it over, in the parameters' order (the same on every rank)
     sums: dict[tuple, torch.Tensor] = {}
     grads = []
-    for p in params:
-        if p.grad is None:
-            continue
-        g, sharded_over = p.grad, ()
-        if hasattr(g, "placements"):  # a DTensor
-            if any(placement.is_partial() for placement in g.placements):
-                raise ValueError("clip_grad_norm: a gradient is still a partial sum; clip after it is reduced")
-            mesh = g.device_mesh
-            # not is_shard(): FSDP x TP's _StridedShard is a sharding that is no Shard (torch 2.14.1)
-            dims = [d for d, placement in enumerate(g.placements) if not placement.is_replicate()]
-            sharded_over = tuple(mesh.get_group(d) for d in dims)
-            g = g.to_local()
+    for g in (p.grad for p in params if p.grad is not None):
+        sharded_over = ()
+        if hasattr(g, "placements"):  # a DTensor; not is_shard(): FSDP x TP's _StridedShard is none (torch 2.14.1)
+            assert not any(kind.is_partial() for kind in g.placements), "clip after the gradients are reduced"
+            dims = [d for d, kind in enumerate(g.placements) if not kind.is_replicate()]
+            sharded_over, g = tuple(g.device_mesh.get_group(d) for d in dims), g.to_local()
         grads.append(g)
         acc = sums.setdefault(sharded_over, torch.zeros((), dtype=torch.float64, device=device))
-        # Never in the gradients' dtype (bf16 loses digits in a sum). On a CPU in fp64: torch 2.14.1's CPU kernel
-        # sums fp32 squares in one running accumulator per lane, 1e-4 off for a million elements (fc1's gradient;
-        # pytorch/pytorch#169237), which is more than the strategies differ by; CUDA's tree reduction is exact
-        # enough in fp32.
+        # Never in the gradients' dtype (bf16 loses digits). On a CPU in fp64: torch 2.14.1's CPU kernel is 1e-4 off
+        # in fp32 for fc1's million elements (pytorch/pytorch#169237), more than the strategies differ by.
         dtype = torch.float64 if g.device.type == "cpu" else torch.float32
         acc += torch.linalg.vector_norm(g, dtype=dtype).to(device, torch.float64).square()
     for sharded_over, acc in sums.items():
         for group in sharded_over:  # e.g. FSDP x TP: a split layer over "dp" and "tp", a replicated one over "dp"
             dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=group)
-    sum_sq = torch.zeros((), dtype=torch.float64, device=device)
-    for acc in sums.values():
-        sum_sq += acc
+    sum_sq = sum(sums.values(), torch.zeros((), dtype=torch.float64, device=device))
     for group in groups:
         dist.all_reduce(sum_sq, op=dist.ReduceOp.SUM, group=group)
     total = sum_sq.sqrt()

@@ -256,20 +256,11 @@ class Config:
 
             PipelineLayout.of(self, world_size).check(chunk_size=self.chunk_size(world_size), compile=self.compile)
         if self.strategy == "tp":
-            self.check_tp_split(world_size // self.dp)
+            from common.model_sizes import check_tp_degree  # TP-only, as the pipeline's layout above
+
+            check_tp_degree(self.model_size, tp=world_size // self.dp, dp=self.dp)
         if self.strategy == "fsdp" and self.sharding == "hybrid" and (world_size < 2 or world_size % 2):
             raise ConfigError(f"--sharding: hybrid needs an even world size (2 replicas x shards), got {world_size}")
-
-    def check_tp_split(self, tp: int) -> None:
-        """TP splits the classifier's width (fc1's outputs, the hidden layers') into `tp` equal slices."""
-        width = MODEL_SIZES[self.model_size][0]
-        if width % tp:
-            fits = ", ".join(str(n * self.dp) for n in (1, 2, 4, 8) if width % n == 0)
-            raise ConfigError(
-                f"--model-size {self.model_size}: its classifier's width {width} does not split over {tp} TP ranks "
-                f"(world size {tp * self.dp} / --dp {self.dp}); use a number of processes whose TP share divides "
-                f"{width} (e.g. {fits} processes, NPROC= for run_tp.sh)"
-            )
 
     def flags(self) -> dict[str, object]:
         """The settings that are flags of this run's script (for run.json)."""
@@ -295,8 +286,7 @@ class Config:
             m = self.n_microbatches
             return f"{self.dp} replicas x {self.grad_accum_steps} accumulation steps x {m} micro-batches x {chunk // m}"
         if self.strategy == "tp":
-            tp = world_size // self.dp
-            steps = self.grad_accum_steps
+            tp, steps = world_size // self.dp, self.grad_accum_steps
             return f"{self.dp} replicas x {steps} accumulation steps x {chunk} (the same on its {tp} TP ranks)"
         return f"{world_size} ranks x {self.grad_accum_steps} accumulation steps x {chunk}"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from common.config import MODEL_SIZES
+from common.config import MODEL_SIZES, ConfigError
 
 # The input each data set gives the model: channels, image side, classes.
 DATASET_SHAPES = {"digits": (1, 28, 10), "mnist": (1, 28, 10), "fashion-mnist": (1, 28, 10), "cifar10": (3, 32, 10)}
@@ -66,6 +66,18 @@ def tp_pairs(size: str) -> list[tuple[str, str]]:
     the next, and so on. An odd last one (fc2 after an even number of hidden layers) is not in a pair."""
     linears = ["fc1", *(f"hidden{i}" for i in range(1, MODEL_SIZES[size][1])), "fc2"]
     return list(zip(linears[0::2], linears[1::2]))
+
+
+def check_tp_degree(size: str, *, tp: int, dp: int) -> None:
+    """ConfigError unless `tp` ranks can split the classifier's width (fc1's outputs, the hidden layers')."""
+    width = MODEL_SIZES[size][0]
+    if width % tp:
+        fits = ", ".join(str(n * dp) for n in (1, 2, 4, 8) if width % n == 0)
+        raise ConfigError(
+            f"--model-size {size}: its classifier's width {width} does not split over {tp} TP ranks (world size "
+            f"{tp * dp} / --dp {dp}); use a number of processes whose TP share divides {width} (e.g. {fits} "
+            f"processes, NPROC= for run_tp.sh)"
+        )
 
 
 def tp_layer_params(size: str, tp: int, dataset: str = "digits") -> dict[str, float]:

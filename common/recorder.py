@@ -58,18 +58,11 @@ class RunRecorder:
                 cfg.profile_steps, out_dir=cfg.out, rank=env.rank, device=env.device, memory=cfg.memory_snapshot
             )
 
-    def track_memory(
-        self,
-        params: Iterable[torch.nn.Parameter],
-        optimizer: torch.optim.Optimizer | None,
-        *,
-        parts: dict[str, Iterable[torch.nn.Parameter]] | None = None,
-    ) -> None:
+    def track_memory(self, params: Iterable, optimizer: torch.optim.Optimizer | None, *, parts: dict | None = None):
         """What this rank keeps between steps (its parameters, their gradients, the optimizer's state): run.json
-        gets its bytes, and with --measure-peak the peak of a step above it. `parts`: named subsets of `params`
-        whose parameter bytes run.json gives too (TP: the layers it splits)."""
-        self.params, self.optimizer = list(params), optimizer
-        self.parts = {name: list(part) for name, part in (parts or {}).items()}
+        gets its bytes, and with --measure-peak the peak of a step above it; `parts` ({name: some of `params`}),
+        the bytes of those parameters too (TP: what it splits)."""
+        self.params, self.optimizer, self.parts = list(params), optimizer, parts or {}
 
     def span(self, name: str) -> ContextManager:
         """A named part of a step in the profiler's trace while --profile-steps profiles it; a no-op otherwise."""

@@ -1,5 +1,5 @@
 """The memory planner against real runs: for two sizes, at 1 to 4 processes, every rank of a DDP, an FSDP (a unit
-per layer) and a 1F1B run holds exactly the state bytes the planner says (run.json's param, grad and optimizer
+per layer), a 1F1B, a TP and an FSDP x TP run holds exactly the state bytes the planner says (run.json's param, grad and optimizer
 bytes), and its measured peak (--measure-peak, the launch's second step) is within 15 % of the planned one (a
 pipeline rank's, of the planned range: gloo may still hold the activation it sent)."""
 
@@ -16,7 +16,14 @@ from planner.plan import ranks_to_measure, variant_config
 from tests.helpers import SMALL, Run, read_run, run_command
 
 SIZES = ("baby", "small")
-STRATEGY_FLAGS = {"ddp": [], "fsdp": ["--shard-units", "blocks"], "pippy": ["--n-microbatches", "4"]}
+# {name: (strategy, flags, process counts)}
+VARIANTS = {
+    "ddp": ("ddp", [], (1, 2, 3, 4)),
+    "fsdp": ("fsdp", ["--shard-units", "blocks"], (1, 2, 3, 4)),
+    "pippy": ("pippy", ["--n-microbatches", "4"], (1, 2, 3, 4)),
+    "tp": ("tp", [], (1, 2, 4)),  # 3 ranks cannot split a width of 128 or 1024
+    "fsdp-x-tp": ("tp", ["--dp", "2"], (2, 4)),
+}
 PEAK_TOLERANCE = 0.15
 # the memory wall's closed form (common/memory.py: the preflight cannot plan with torch) against the planner
 CLOSED_FORM_TOLERANCE = 0.25
@@ -26,34 +33,36 @@ WALL_VARIANTS = (
     "fsdp full, one unit",
     "fsdp grad-op, a unit per layer",
     "pipeline 1f1b",
+    "fsdp x tp",
 )
 
 
-def flags(size: str, strategy: str, nproc: int) -> list[str]:
+def flags(size: str, variant: str, nproc: int) -> list[str]:
     batch = ["--batch-size", str(32 * nproc)]  # 32 per rank (a pipeline: 32 per stage), as a default 4-process run
     return [*SMALL, *batch, "--model-size", size, "--dropout", "0", "--max-steps", "2", "--measure-peak"] + [
-        *STRATEGY_FLAGS[strategy]
+        *VARIANTS[variant][1]
     ]
 
 
 POOLED = {
-    f"{size}-{strategy}-{nproc}": Run(strategy, flags(size, strategy, nproc), nproc=nproc)
+    f"{size}-{variant}-{nproc}": Run(strategy, flags(size, variant, nproc), nproc=nproc)
     for size in SIZES
-    for strategy in STRATEGY_FLAGS
-    for nproc in (1, 2, 3, 4)
+    for variant, (strategy, _, nprocs) in VARIANTS.items()
+    for nproc in nprocs
 }
 
 
 @pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("strategy", STRATEGY_FLAGS)
-def test_the_plan_is_what_each_rank_of_a_real_run_holds(pool, size, strategy):
-    for nproc in (1, 2, 3, 4):
-        run = read_run(pool / "plan" / f"{size}-{strategy}-{nproc}")
-        cfg = parse_config(strategy, flags(size, strategy, nproc), world_size=nproc)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_plan_is_what_each_rank_of_a_real_run_holds(pool, size, variant):
+    strategy, _, nprocs = VARIANTS[variant]
+    for nproc in nprocs:
+        run = read_run(pool / "plan" / f"{size}-{variant}-{nproc}")
+        cfg = parse_config(strategy, flags(size, variant, nproc), world_size=nproc)
         assert run["memory"]["peak"]["step"] == 2
         for measured in run["memory"]["per_rank"]:
             planned = plan_rank(cfg, nproc, measured["rank"])
-            where = f"{size} {strategy} on {nproc}, rank {measured['rank']}"
+            where = f"{size} {variant} on {nproc}, rank {measured['rank']}"
             # the state, byte for byte: the same wrap and optimizer, counted by the same function
             assert (planned.param_bytes, planned.grad_bytes, planned.optim_bytes) == (
                 measured["param_bytes"],

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ("train_ddp.py", "train_fsdp.py", "train_pippy.py")
+SCRIPTS = ("train_ddp.py", "train_fsdp.py", "train_pippy.py", "train_tp.py")
 LAUNCHER_ONLY = {"common.preflight", "common.memory"}  # the runners' checks before torchrun: no worker needs them
 DDP_BUDGET = 1500  # lines of common/ behind train_ddp.py (nanoGPT's train.py needs ~380, the FSDP2 example ~370)
 
