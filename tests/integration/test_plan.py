@@ -81,6 +81,8 @@ def test_the_closed_form_is_within_25_percent_of_the_planner(size):
     for variant in WALL_VARIANTS:
         for n in (1, 2, 3, 4):
             cfg = variant_config(variant, Config(model_size=size, batch_size=32 * n), n)
+            if cfg is None:  # FSDP x TP on 3 ranks: no TP degree splits a width of 2^k
+                continue
             planned = max(plan_rank(cfg, n, rank).peak_bytes for rank in ranks_to_measure(cfg, n))
             closed = planned_peak_bytes(cfg, n)
             assert abs(closed - planned) <= CLOSED_FORM_TOLERANCE * planned, (size, variant, n, closed, planned)
