@@ -1,5 +1,5 @@
-"""What scale costs, measured: every BabyCNN size that fits, trained by DDP, FSDP (full and grad-op, a unit per layer)
-and the pipeline (1F1B) on 4 processes, against what the planner says.
+"""What scale costs, measured: every BabyCNN size that fits, trained by DDP, FSDP (full and grad-op, a unit per layer),
+the pipeline (1F1B), TP and FSDP x TP (2 x 2) on 4 processes, against what the planner says.
 
     python -m bench.scale                          # baby .. large, a few minutes each for large: runs/scale/
     python -m bench.scale --sizes baby,small --steps 6
@@ -8,8 +8,9 @@ For each run: the memory per rank the planner plans (python -m planner's peak of
 state) and what the run measured (run.json: --measure-peak), samples/s over the steps after the first, and the
 bytes each rank sends per step, from the model and the mesh (the textbook's ring: an all-reduce sends 2(n-1)/n
 of its data, an all-gather or reduce-scatter (n-1)/n; a pipeline stage its activations forward and their
-gradients back). A run the memory wall refuses is not launched: the table says so, with what it would need.
-Writes scale.json, scale.md (the table) and scale.png (planned against measured, and speed).
+gradients back; TP each layer pair's output and its input's gradient, all-reduced). A run the memory wall
+refuses is not launched: the table says so, with what it would need. Writes scale.json, scale.md (the table)
+and scale.png (planned against measured, and speed).
 """
 
 from __future__ import annotations
@@ -25,13 +26,15 @@ from typing import Any, Sequence
 from bench.machine import ROOT, launch_env
 from common.config import Config, ConfigError
 from common.memory import MIB_PER_CPU_PROCESS, available_mib, check_memory
-from common.model_sizes import layers, parameter_count
+from common.model_sizes import layers, parameter_count, tp_layer_params, tp_pairs
 
 VARIANTS = {  # name -> (runner, flags)
     "ddp": ("ddp", []),
     "fsdp full": ("fsdp", ["--sharding", "full", "--shard-units", "blocks"]),
     "fsdp grad-op": ("fsdp", ["--sharding", "grad-op", "--shard-units", "blocks"]),
     "pipeline 1f1b": ("pippy", ["--schedule", "1f1b"]),
+    "tp": ("tp", []),
+    "fsdp x tp": ("tp", ["--dp", "2"]),
 }
 NPROC = 4
 
@@ -45,6 +48,13 @@ def bytes_sent(cfg: Config, nproc: int) -> float:
         return 2 * ring * params  # the gradients' all-reduce
     if cfg.strategy == "fsdp":  # all-gather in forward (and in backward, after a full reshard), reduce-scatter
         return (2 if cfg.sharding == "grad-op" else 3) * ring * params
+    if cfg.strategy == "tp":  # per layer pair, an all-reduce of its output in forward, of its input's gradient back
+        tp, by_name = nproc // cfg.dp, {layer.name: layer for layer in model}
+        inputs = lambda layer: (layer.params - layer.outputs) // layer.outputs  # noqa: E731 (a linear's in_features)
+        per_sample = sum(by_name[row].outputs + inputs(by_name[col]) for col, row in tp_pairs(cfg.model_size))
+        activations = 2 * (tp - 1) / tp * 4 * (cfg.batch_size // cfg.dp) * per_sample  # the replica's batch
+        held = 4 * sum(tp_layer_params(cfg.model_size, tp, cfg.dataset).values())  # FSDP x TP: over the replicas
+        return activations + 3 * (cfg.dp - 1) / cfg.dp * held
     from common.pipeline_layout import PipelineLayout
 
     layout = PipelineLayout.of(cfg, nproc)
@@ -72,7 +82,7 @@ def run_one(size: str, variant: str, *, out: Path, steps: int) -> dict[str, Any]
     args += ["--train-size", "1024", "--test-size", "128", "--dropout", "0"]
     cfg = Config(strategy=runner, model_size=size)
     for flag, value in zip(flags[::2], flags[1::2]):
-        setattr(cfg, flag[2:].replace("-", "_"), value)
+        setattr(cfg, flag[2:].replace("-", "_"), int(value) if value.isdigit() else value)
     row: dict[str, Any] = {"size": size, "variant": variant, "parameters": parameter_count(size)}
     row["bytes_sent_per_step"] = bytes_sent(cfg, NPROC)
     row["planned"] = plan(cfg)
