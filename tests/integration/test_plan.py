@@ -1,7 +1,7 @@
 """The memory planner against real runs: for two sizes, at 1 to 4 processes, every rank of a DDP, an FSDP (a unit
-per layer), a 1F1B, a TP and an FSDP x TP run holds exactly the state bytes the planner says (run.json's param, grad and optimizer
-bytes), and its measured peak (--measure-peak, the launch's second step) is within 15 % of the planned one (a
-pipeline rank's, of the planned range: gloo may still hold the activation it sent)."""
+per layer), a 1F1B, a TP and an FSDP x TP run holds exactly the state bytes the planner says (run.json's param,
+grad and optimizer bytes), and its measured peak (--measure-peak, the launch's second step) is within 15 % of the
+planned one (a pipeline rank's, of the planned range: gloo may still hold the activation it sent)."""
 
 import json
 import sys

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from common.cli import build_parser, parse_config
-from common.config import SCHEDULES, Config, ConfigError
+from common.config import SCHEDULES, STRATEGIES, Config, ConfigError
 from common.data import GlobalBatchSampler, longest_shard, shard_range
 from common.digits import make_digits
 from common.model import BabyCNN, build_model
-from common.model_sizes import MODEL_SIZES, max_stages, parameter_count, stage_starts
+from common.model_sizes import MODEL_SIZES, max_stages, parameter_count, stage_starts, tp_layer_params, tp_pairs
 from common.model_sizes import layers as size_layers
 from common.pipeline import split_model
 
@@ -137,7 +137,7 @@ def test_digits_are_deterministic_balanced_and_distinct_between_splits():
 
 # ---------------------------------------------------------------------------------------------- config
 def test_every_flag_has_help_from_the_field_docs():
-    for strategy in ("ddp", "fsdp", "pippy"):
+    for strategy in STRATEGIES:
         for action in build_parser(strategy)._actions:
             if action.dest != "help":
                 assert action.help and len(action.help) > 10, action.dest
@@ -183,6 +183,24 @@ def test_world_size_must_divide_the_global_batch():
 
 
 def test_defaults_are_valid_for_every_strategy():
-    for strategy in ("ddp", "fsdp", "pippy"):
+    for strategy in STRATEGIES:
         cfg = parse_config(strategy, [], world_size=4)
         assert cfg.out == f"runs/{strategy}" and isinstance(cfg, Config)
+
+
+def test_tp_splits_the_classifier_in_pairs_and_refuses_a_width_it_cannot_split():
+    assert tp_pairs("baby") == [("fc1", "fc2")]
+    assert tp_pairs("small") == [("fc1", "hidden1"), ("hidden2", "hidden3")]  # fc2, the fifth, stays whole
+    model = BabyCNN(size="small")
+    held = tp_layer_params("small", 4)
+    assert held["fc1"] == sum(p.numel() for p in model.fc1.parameters()) / 4  # column-wise: weight and bias
+    assert held["hidden1"] == model.hidden1.weight.numel() / 4 + model.hidden1.bias.numel()  # row-wise: weight
+    assert held["fc2"] == sum(p.numel() for p in model.fc2.parameters()) and held["conv2"] == 64 * 32 * 9 + 64
+    assert tp_layer_params("small", 1) == {layer.name: layer.params for layer in size_layers("small")}
+    parse_config("tp", ["--dp", "2"], world_size=8)  # 2 replicas x 4-way TP
+    with pytest.raises(ConfigError, match="width 128 does not split over 3 TP ranks"):
+        parse_config("tp", [], world_size=3)
+    with pytest.raises(ConfigError, match="--dp: 3 does not divide the world size 4"):
+        parse_config("tp", ["--dp", "3"], world_size=4)
+    with pytest.raises(ConfigError, match="unrecognized arguments: --sharding"):
+        parse_config("tp", ["--sharding", "full"])

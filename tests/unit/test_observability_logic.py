@@ -6,7 +6,7 @@ layouts."""
 import pytest
 
 from common.config import Config, ConfigError
-from common.profiling import comm_overlap, overlap_s, union
+from common.profiling import collectives_by_span, comm_overlap, overlap_s, union
 from common.timeline import draw, title
 
 
@@ -35,6 +35,24 @@ def test_comm_overlap_counts_compute_on_other_threads_only():
     assert result["comm_s"] == pytest.approx(100e-6)
     assert result["hidden_s"] == pytest.approx(50e-6)
     assert comm_overlap([op("aten::mm", 0, 10)]) == {"comm_s": 0.0, "hidden_s": 0.0}
+
+
+def test_collectives_are_counted_in_the_innermost_span_they_begin_in():
+    events = [
+        op("forward", 0, 100, cat="user_annotation"),
+        op("step 2", 0, 300, cat="user_annotation"),  # not a named span of the recorder
+        op("gloo:all_reduce", 50, 10, tid=9),  # inside forward
+        op("backward", 100, 100, cat="user_annotation"),
+        op("gloo:all_reduce", 150, 80, tid=9),  # begins in backward, ends after it
+        op("gloo:all_gather", 160, 5, tid=9),
+        op("gloo:all_reduce", 250, 5, tid=9),  # after both
+        op("aten::mm", 20, 10),
+    ]
+    assert collectives_by_span(events, {"forward", "backward"}) == {
+        "forward": {"gloo:all_reduce": 1},
+        "backward": {"gloo:all_reduce": 1, "gloo:all_gather": 1},
+        "other": {"gloo:all_reduce": 1},
+    }
 
 
 @pytest.mark.parametrize("spec", ["3", "0:2", "5:3", "a:b", "3:", ":3"])
