@@ -1,6 +1,6 @@
 """Clean exits, measured: launch each runner many times on short settings and count the runs that exit 0.
 
-    python -m bench.soak                        # 50 runs each of run_ddp.sh, run_fsdp.sh, run_pippy.sh
+    python -m bench.soak                        # 50 runs each of run_ddp.sh, run_fsdp.sh, run_pippy.sh, run_tp.sh
     python -m bench.soak --runs 10 --scripts ddp --nproc 2
 
 A run that finished its work must exit 0, every time: torchrun reports any other exit code as a failed
@@ -78,7 +78,7 @@ def soak(script: str, *, runs: int, nproc: int, work: Path) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=50, help="launches of each runner")
-    parser.add_argument("--scripts", default="ddp,fsdp,pippy", help="comma-separated: ddp, fsdp, pippy")
+    parser.add_argument("--scripts", default="ddp,fsdp,pippy,tp", help="comma-separated: ddp, fsdp, pippy, tp")
     parser.add_argument("--nproc", type=int, default=4, help="processes per launch")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)

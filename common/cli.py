@@ -1,4 +1,4 @@
-"""The command line of the three scripts: every flag comes from a field of `Config`, with the docstring
+"""The command line of the four scripts: every flag comes from a field of `Config`, with the docstring
 written under the field as its help. No torch here either, so the preflight stays fast."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One configuration for all three scripts.
+"""One configuration for all four scripts.
 
 Every command-line flag comes from a field of `Config`; its help text is the docstring written under the
 field, and `Config.check` validates everything in one place. A field can be limited to some strategies

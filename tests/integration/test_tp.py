@@ -19,6 +19,7 @@ POOLED = {
     "tp": Run("tp", [*AT_12, "--profile-steps", "2:3"]),  # 4-way TP
     "fsdp-x-tp": Run("tp", [*AT_12, *FSDP_X_TP]),  # 2 replicas x 2-way TP
     "fsdp-x-tp-resumed": Run("tp", [*RESUME, *FSDP_X_TP], rewound_from=("tp/fsdp-x-tp", 12)),
+    "fsdp-x-tp-accum": Run("tp", [*PP_PARITY, *FSDP_X_TP, "--grad-accum-steps", "2"]),  # FSDP's sync on the last
     "tp-from-ddp": Run("tp", RESUME, rewound_from=("references/pipeline", 12)),  # DDP's 1-process checkpoint
     "fsdp-from-tp": Run("fsdp", RESUME, rewound_from=("tp/tp", 12)),
     "fsdp-x-tp-from-tp": Run("tp", [*RESUME, *FSDP_X_TP], rewound_from=("tp/tp", 12)),  # onto the 2-D mesh
@@ -43,7 +44,7 @@ def grad_norms(out) -> list[float]:
     return [train[s]["grad_norm"] for s in sorted(train)]
 
 
-@pytest.mark.parametrize("name", ["tp", "fsdp-x-tp"])
+@pytest.mark.parametrize("name", ["tp", "fsdp-x-tp", "fsdp-x-tp-accum"])
 def test_tp_follows_one_process(runs, reference, name):
     assert len(losses(runs / name)) == 20
     assert max_abs_diff(losses(runs / name), losses(reference)) <= 1e-4

@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 4 tests/integration/workers/runs.py RUNS.json
     python tests/integration/workers/runs.py RUNS.json                     # one process, as `python train_ddp.py` runs
 
-RUNS.json maps an output folder to {"strategy", "flags", "rewind"} (strategy: ddp, fsdp or pippy; rewind:
+RUNS.json maps an output folder to {"strategy", "flags", "rewind"} (strategy: ddp, fsdp, pippy or tp; rewind:
 null, or [a run folder, a step] to start from a copy of that folder as it stood after that step). Each run
 is the real `train_<strategy>.train` on the real process group (each builds its own model, device mesh,
 shards, stages and schedule); only the start-up of the processes -- Python, torch and the process group,
