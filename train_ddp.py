@@ -25,7 +25,7 @@ from common.distributed import DistEnv, RankLogger, run, seed_everything, setup_
 from common.model import build_model
 from common.recorder import RunRecorder
 from common.runs import already_done, total_steps
-from common.training import autocast, build_optimizer, evaluate, global_mean, lr_at, set_lr
+from common.training import LossScaler, autocast, build_optimizer, evaluate, global_mean, lr_at, set_lr
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -77,6 +77,7 @@ def train(cfg: Config, env: DistEnv) -> None:
     seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
     model = apply_ddp(model, cfg, env)  # [DDP]
     optimizer = build_optimizer(model.parameters(), cfg)
+    scaler = LossScaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
 
     start_step = 0
     if path := checkpoint_to_resume(cfg, log=log):
@@ -88,7 +89,7 @@ def train(cfg: Config, env: DistEnv) -> None:
         with autocast(cfg, env.device):  # the loop's shape and precision: --compile traces no other graph
             model(x).sum().backward()
         model.zero_grad(set_to_none=True)  # DCP's load must find an optimizer that never saw a gradient
-        start_step = load_checkpoint(path, model=model, optimizers=[optimizer])
+        start_step = load_checkpoint(path, model=model, optimizers=[optimizer], scaler=scaler)
         log(f"resumed from {path} (step {start_step})")
     else:
         set_aside_previous_run(cfg)  # a new run: a previous one in --out moves to <out>.N, never overwritten
@@ -125,19 +126,22 @@ def train(cfg: Config, env: DistEnv) -> None:
                     loss = F.cross_entropy(model(x), y) / cfg.grad_accum_steps
                 # [DDP] the gradient all-reduce runs inside backward: "gloo:all_reduce" in the trace
                 with recorder.span("backward"):
-                    loss.backward()
+                    scaler.scale(loss).backward()
             loss_sum += loss.detach()
         # [DDP] Clip once per step, after the last backward. The gradients are all-reduced by then: each rank
-        # holds the whole model's gradient, so its own norm is the global one and needs no collective.
-        grad_norm = clip_grad_norm(model.parameters(), cfg.max_grad_norm)
+        # holds the whole model's gradient, so its own norm is the global one and needs no collective (an fp16
+        # overflow on any rank is in every rank's sum: all skip the step).
+        grad_norm = clip_grad_norm(model.parameters(), cfg.max_grad_norm, loss_scale=scaler.value)
         with recorder.span("optimizer"):
-            optimizer.step()
+            scaler.step(optimizer, grad_norm)  # fp16: not if the gradients overflowed (the same on every rank)
         # loss_sum is this rank's mean loss; the mean over ranks is the mean over the whole global batch
-        recorder.train(step, loss=global_mean(loss_sum), lr=lr, grad_norm=grad_norm)
+        recorder.train(step, loss=global_mean(loss_sum), lr=lr, grad_norm=grad_norm, scaler=scaler)
         if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
             run_eval(step)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-            save_checkpoint(cfg, step, model=model, optimizers=[optimizer], steps_per_epoch=sampler.steps_per_epoch)
+            save_checkpoint(
+                cfg, step, model=model, optimizers=[optimizer], scaler=scaler, steps_per_epoch=sampler.steps_per_epoch
+            )
 
     run_eval(steps)
     recorder.finish()

@@ -29,7 +29,7 @@ from common.model import BabyCNN, build_model
 from common.model_sizes import state_bytes_theory
 from common.recorder import RunRecorder
 from common.runs import already_done, total_steps
-from common.training import build_optimizer, evaluate, global_mean, lr_at, set_lr
+from common.training import LossScaler, build_optimizer, evaluate, global_mean, low_precision, lr_at, set_lr
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,13 +82,14 @@ def apply_fsdp(model: BabyCNN, mesh: DeviceMesh, cfg: Config, env: DistEnv) -> n
         # forward; the whole flat model is the span that pays (docs/fsdp.md). Checkpoint keys stay conv1.weight.
         model = checkpoint_wrapper(model)
     # [FSDP] Free gathered parameters after forward (full; None is FSDP's default) or keep them for backward
-    # (grad-op). bf16: compute in bf16, fp32 shards and gradient reduction (replaces DDP's autocast).
-    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    # (grad-op). bf16 or fp16: compute in it, fp32 shards and gradient reduction (replaces DDP's autocast).
+    low = low_precision(cfg)
+    mixed = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, output_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
     shard_options = dict(
         mesh=mesh,
         reshard_after_forward=False if cfg.sharding == "grad-op" else None,
-        mp_policy=bf16 if cfg.precision == "bf16" else MixedPrecisionPolicy(),
+        mp_policy=mixed if low else MixedPrecisionPolicy(),
         offload_policy=offload if cfg.cpu_offload else OffloadPolicy(),
     )
     # [FSDP] Each fully_shard call makes a unit (an all-gather before it, a reduce-scatter after its backward):
@@ -138,10 +139,11 @@ def train(cfg: Config, env: DistEnv) -> None:
     mesh = fsdp_mesh(cfg, env)  # [FSDP]
     model = apply_fsdp(model, mesh, cfg, env)  # [FSDP]
     optimizer = build_optimizer(model.parameters(), cfg)  # [FSDP] after sharding: it steps the local shards
+    scaler = LossScaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
 
     start_step = 0
     if path := checkpoint_to_resume(cfg, log=log):
-        start_step = load_checkpoint(path, model=model, optimizers=[optimizer])
+        start_step = load_checkpoint(path, model=model, optimizers=[optimizer], scaler=scaler)
         log(f"resumed from {path} (step {start_step})")
     else:
         set_aside_previous_run(cfg)  # a new run: a previous one in --out moves to <out>.N, never overwritten
@@ -177,20 +179,22 @@ def train(cfg: Config, env: DistEnv) -> None:
                 # divided by the accumulation steps, the summed gradients are those of the chunk mean
                 loss = F.cross_entropy(model(x), y) / cfg.grad_accum_steps
             with recorder.span("backward"):  # [FSDP] the reduce-scatter shows as "FSDP::post_backward_reduce"
-                loss.backward()
+                scaler.scale(loss).backward()
             loss_sum += loss.detach()
         # [FSDP] Clip once per step, after the last backward, by the norm of the whole gradient: each rank
         # holds a shard of it, a DTensor sharded over the "shard" dim of the mesh, so the sums of squares are
         # added over that dim (hybrid's "replicate" rows hold the same shards again: not over those).
-        grad_norm = clip_grad_norm(model.parameters(), cfg.max_grad_norm)
+        grad_norm = clip_grad_norm(model.parameters(), cfg.max_grad_norm, loss_scale=scaler.value)
         with recorder.span("optimizer"):
-            optimizer.step()
+            scaler.step(optimizer, grad_norm)  # fp16: not if the gradients overflowed (the same on every rank)
         # loss_sum is this rank's mean loss; the mean over ranks is the mean over the whole global batch
-        recorder.train(step, loss=global_mean(loss_sum), lr=lr, grad_norm=grad_norm)
+        recorder.train(step, loss=global_mean(loss_sum), lr=lr, grad_norm=grad_norm, scaler=scaler)
         if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
             run_eval(step)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-            save_checkpoint(cfg, step, model=model, optimizers=[optimizer], steps_per_epoch=sampler.steps_per_epoch)
+            save_checkpoint(
+                cfg, step, model=model, optimizers=[optimizer], scaler=scaler, steps_per_epoch=sampler.steps_per_epoch
+            )
 
     run_eval(steps)
     # [FSDP] A plain model.pt for inference without a process group: every rank helps gather, rank 0 writes.

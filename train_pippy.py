@@ -41,7 +41,7 @@ from common.pipeline_actions import StageActions
 from common.pipeline_layout import PipelineLayout
 from common.recorder import RunRecorder
 from common.runs import already_done, total_steps
-from common.training import autocast, build_optimizer, evaluate, lr_at, set_lr
+from common.training import LossScaler, autocast, build_optimizer, evaluate, lr_at, set_lr
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -96,14 +96,14 @@ def apply_pipeline(
     return modules, stages
 
 
-def make_schedule(stages: list[PipelineStage], cfg: Config) -> object:
+def make_schedule(stages: list[PipelineStage], cfg: Config, scaler: LossScaler) -> object:
     """[PP] The schedule that runs this rank's stages. The loss of a micro-batch is its mean divided by the
     number of micro-batches (and accumulation steps): the gradients summed over the step are then those of the
     mean over this replica's batch, like DDP's, and the losses the schedule returns add up to that mean (hence
-    scale_grads=False in build_schedule)."""
+    scale_grads=False in build_schedule). fp16: the loss is scaled here, the only place a pipeline has it."""
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float(), labels) / (cfg.n_microbatches * cfg.grad_accum_steps)
+        return scaler.scale(F.cross_entropy(logits.float(), labels) / (cfg.n_microbatches * cfg.grad_accum_steps))
 
     return build_schedule(cfg.schedule, stages, cfg.n_microbatches, loss_fn)
 
@@ -152,7 +152,8 @@ def train(cfg: Config, env: DistEnv) -> None:
     shapes = stage_output_shapes(pieces, data.train.images[:1].float(), batch_size=chunk_size)  # for evaluation
     seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
     modules, stages = apply_pipeline(pieces, layout, mesh, cfg, env)  # [PP]
-    schedule = make_schedule(stages, cfg)  # [PP]
+    scaler = LossScaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
+    schedule = make_schedule(stages, cfg, scaler)  # [PP]
 
     # This rank's layers under their own names (conv1.weight, ...), as in the whole model: the module
     # that optimizer and checkpoints see, so a checkpoint of any strategy loads into any other.
@@ -166,7 +167,7 @@ def train(cfg: Config, env: DistEnv) -> None:
 
     start_step = 0
     if path := checkpoint_to_resume(cfg, log=log):
-        start_step = load_checkpoint(path, model=local_model, optimizers=optimizers)
+        start_step = load_checkpoint(path, model=local_model, optimizers=optimizers, scaler=scaler)
         log(f"resumed from {path} (step {start_step})")
     else:
         set_aside_previous_run(cfg)  # a new run: a previous one in --out moves to <out>.N, never overwritten
@@ -224,7 +225,8 @@ def train(cfg: Config, env: DistEnv) -> None:
                     losses=losses if holds_last else None,
                     return_outputs=False,
                 )
-            loss_sum += sum(loss.detach() for loss in losses)  # empty unless this rank holds the last stage
+            # empty unless this rank holds the last stage; fp16: unscaled (exact: the scale is a power of two)
+            loss_sum += sum(loss.detach() for loss in losses) / scaler.value
         # [PP] The loss reaches every rank: the last-stage ranks hold their replica's mean, the others 0.
         # This all-reduce also ends the step's pipeline window on every rank at the same moment.
         dist.all_reduce(loss_sum)
@@ -233,16 +235,21 @@ def train(cfg: Config, env: DistEnv) -> None:
         # over the pipeline ranks (other stages) and, with --dp, the replicas (FSDP2 shards of each stage: their
         # DTensor gradients say so), so every stage scales by the same factor. Every rank takes part, also one
         # without parameters.
-        grad_norm = clip_grad_norm(params, cfg.max_grad_norm, groups=[mesh.get_group("pp")])
-        if optimizer:
-            with recorder.span("optimizer"):
-                optimizer.step()
-        recorder.train(step, loss=loss_sum.item() / cfg.dp, lr=lr, grad_norm=grad_norm)
+        grad_norm = clip_grad_norm(params, cfg.max_grad_norm, groups=[mesh.get_group("pp")], loss_scale=scaler.value)
+        with recorder.span("optimizer"):
+            # [PP] Every stage has the same norm: an fp16 overflow in any stage skips the step on every rank
+            scaler.step(optimizer, grad_norm)  # (and every rank's scale stays the same, also one without parameters)
+        recorder.train(step, loss=loss_sum.item() / cfg.dp, lr=lr, grad_norm=grad_norm, scaler=scaler)
         if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
             run_eval(step)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
             save_checkpoint(
-                cfg, step, model=local_model, optimizers=optimizers, steps_per_epoch=sampler.steps_per_epoch
+                cfg,
+                step,
+                model=local_model,
+                optimizers=optimizers,
+                scaler=scaler,
+                steps_per_epoch=sampler.steps_per_epoch,
             )
 
     run_eval(steps)

@@ -31,7 +31,7 @@ from common.model import BabyCNN, build_model
 from common.model_sizes import tp_pairs, tp_state_bytes_theory
 from common.recorder import RunRecorder
 from common.runs import already_done, total_steps
-from common.training import autocast, build_optimizer, evaluate, global_mean, lr_at, set_lr
+from common.training import LossScaler, autocast, build_optimizer, evaluate, global_mean, lr_at, set_lr
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -132,10 +132,11 @@ def train(cfg: Config, env: DistEnv) -> None:
     seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
     model = apply_tp(model, mesh, cfg, env)  # [TP]
     optimizer = build_optimizer(model.parameters(), cfg)
+    scaler = LossScaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
 
     start_step = 0
     if path := checkpoint_to_resume(cfg, log=log):
-        start_step = load_checkpoint(path, model=model, optimizers=[optimizer])
+        start_step = load_checkpoint(path, model=model, optimizers=[optimizer], scaler=scaler)
         log(f"resumed from {path} (step {start_step})")
     else:
         set_aside_previous_run(cfg)  # a new run: a previous one in --out moves to <out>.N, never overwritten
@@ -177,21 +178,23 @@ def train(cfg: Config, env: DistEnv) -> None:
                 loss = F.cross_entropy(model(x), y) / cfg.grad_accum_steps
             # [TP] the column-wise layers all-reduce the gradients they pass back inside backward
             with recorder.span("backward"):
-                loss.backward()
+                scaler.scale(loss).backward()
             loss_sum += loss.detach()
         # [TP] Clip once per step, after the last backward, by the norm of the whole gradient: each split layer's
         # gradient is a DTensor that says over which mesh dims it is sharded, and its squares are added over
         # those; the replicated layers (the convolutions) count once.
-        grad_norm = clip_grad_norm(model.parameters(), cfg.max_grad_norm)
+        grad_norm = clip_grad_norm(model.parameters(), cfg.max_grad_norm, loss_scale=scaler.value)
         with recorder.span("optimizer"):
-            optimizer.step()
+            scaler.step(optimizer, grad_norm)  # fp16: not if the gradients overflowed (the same on every rank)
         # loss_sum is this replica's mean loss (the same on its TP ranks): the mean over all ranks is the mean
         # over the whole global batch
-        recorder.train(step, loss=global_mean(loss_sum), lr=lr, grad_norm=grad_norm)
+        recorder.train(step, loss=global_mean(loss_sum), lr=lr, grad_norm=grad_norm, scaler=scaler)
         if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
             run_eval(step)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-            save_checkpoint(cfg, step, model=model, optimizers=[optimizer], steps_per_epoch=sampler.steps_per_epoch)
+            save_checkpoint(
+                cfg, step, model=model, optimizers=[optimizer], scaler=scaler, steps_per_epoch=sampler.steps_per_epoch
+            )
 
     run_eval(steps)
     tp = mesh["tp"].size()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,9 @@ from common.runs import (
     set_aside,
 )
 
+if TYPE_CHECKING:
+    from common.training import LossScaler
+
 # Optimizer state keyed by parameter name (optim.state.conv1.weight.exp_avg, optim.param_groups.conv1.weight.lr).
 # The nested default (torch 2.14.1) keys param groups by position, so pipeline ranks, each holding different parameters,
 # would write different groups under one key, and a resume would load another rank's (no betas, wrong params).
@@ -56,10 +59,17 @@ def _state(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> dic
 
 
 def save_checkpoint(
-    cfg: Config, step: int, *, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], steps_per_epoch: int
+    cfg: Config,
+    step: int,
+    *,
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    scaler: LossScaler,
+    steps_per_epoch: int,
 ) -> str:
     """Write the checkpoint of step `step` to cfg.out (all ranks call this) and, with --keep, delete older ones.
-    Returns its path. meta.json records the config, so that a resume can refuse settings that change the curve."""
+    Returns its path. meta.json records the config, so that a resume can refuse settings that change the curve,
+    and fp16's loss scale (the same on every rank)."""
     out_dir, keep = cfg.out, cfg.keep
     rank = dist.get_rank()
     # A non-finite weight would make this checkpoint the "latest" one that every resume chokes on.
@@ -88,6 +98,7 @@ def save_checkpoint(
             "world_size": dist.get_world_size(),
             "strategy": cfg.strategy,
             **recorded_config(cfg, steps_per_epoch),
+            **({"loss_scaler": scaler.state_dict()} if scaler.enabled else {}),
             "files": {name: fingerprint(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))},
         }
         with open(os.path.join(tmp, "meta.json"), "w") as f:
@@ -176,10 +187,16 @@ def set_aside_previous_run(cfg: Config) -> None:
     dist.barrier()
 
 
-def load_checkpoint(path: str, *, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> int:
-    """Load `path` into the (already wrapped or sharded) model and optimizers; returns its step."""
+def load_checkpoint(
+    path: str, *, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], scaler: LossScaler
+) -> int:
+    """Load `path` into the (already wrapped or sharded) model, optimizers and loss scaler; returns its step."""
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
+    # fp16: a run whose every step so far overflowed saved an optimizer that never stepped, without state; it
+    # must stay so here (DCP would make state with a zero step and then find none to load), as in the run itself
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    optimizers = optimizers if any(key.startswith("optim.state.") for key in keys) else []
     state = _state(model, optimizers)
     dcp.load(state, checkpoint_id=path)
     if optimizers:
@@ -188,6 +205,8 @@ def load_checkpoint(path: str, *, model: nn.Module, optimizers: Sequence[torch.o
         )
     elif state["model"]:
         set_model_state_dict(model, state["model"])
+    if "loss_scaler" in meta:  # (fp16 resumes only from fp16: --precision is a trajectory setting)
+        scaler.load_state_dict(meta["loss_scaler"])
     rng_file = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
     if meta["world_size"] == dist.get_world_size() and os.path.exists(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=True))

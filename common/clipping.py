@@ -20,11 +20,17 @@ from common.distributed import collective_device
 
 @torch.no_grad()
 def clip_grad_norm(
-    params: Iterable[torch.nn.Parameter], max_norm: float, *, groups: Sequence[dist.ProcessGroup] = ()
+    params: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    *,
+    groups: Sequence[dist.ProcessGroup] = (),
+    loss_scale: float = 1.0,
 ) -> float:
     """Scale the gradients of `params` so that their global L2 norm is at most `max_norm` (0: measure only),
     and return the norm before clipping. `groups`: process groups whose ranks hold different parameters (not
-    shards of the same DTensors). Every rank of those groups must call this, also one that holds no gradients."""
+    shards of the same DTensors). Every rank of those groups must call this, also one that holds no gradients.
+    `loss_scale`: the loss was multiplied by it (fp16), so the gradients are divided by it here, and the norm
+    returned is the true one (inf or nan if any rank's gradients overflowed)."""
     device = collective_device() if dist.is_initialized() else torch.device("cpu")
     # a sum of squares per set of groups to add it over, in the parameters' order (the same on every rank)
     sums: dict[tuple, torch.Tensor] = {}
@@ -47,11 +53,11 @@ def clip_grad_norm(
     sum_sq = sum(sums.values(), torch.zeros((), dtype=torch.float64, device=device))
     for group in groups:
         dist.all_reduce(sum_sq, op=dist.ReduceOp.SUM, group=group)
-    total = sum_sq.sqrt()
-    if max_norm > 0:
+    total = sum_sq.sqrt() / loss_scale  # exact: the loss scale is a power of two
+    if max_norm > 0 or loss_scale != 1:
         # torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6), never above 1; a tensor, so no
-        # host sync is needed before the gradients are scaled
-        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        # host sync is needed before the gradients are scaled. Unscaling rides along: one pass over them.
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(total)
         for g in grads:
-            g.mul_(scale.to(g.device, g.dtype))
+            g.mul_((scale / loss_scale).to(g.device, g.dtype))
     return total.item()

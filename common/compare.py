@@ -40,6 +40,7 @@ class Run:
     step_times: dict[int, float] = field(default_factory=dict)  # step -> seconds
     lrs: dict[int, float] = field(default_factory=dict)  # step -> learning rate
     grad_norms: dict[int, float] = field(default_factory=dict)  # step -> pre-clip global gradient norm
+    skipped: int | None = None  # fp16: steps skipped because their gradients overflowed (None: not fp16)
     evals: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -96,8 +97,10 @@ def load_run(path: str) -> Run:
                 run.losses[record["step"]] = record["loss"]
                 run.step_times[record["step"]] = record["step_time_s"]
                 for key, into in (("lr", run.lrs), ("grad_norm", run.grad_norms)):
-                    if key in record:  # (files written by hand or by older versions may lack them)
+                    if record.get(key) is not None:  # (hand-written or older files lack them; a skipped step)
                         into[record["step"]] = record[key]
+                if "skipped" in record:
+                    run.skipped = (run.skipped or 0) + record["skipped"]
             else:
                 run.evals.append(record)
     return run
@@ -145,6 +148,7 @@ def table_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
                 "memory/rank (MiB)": max(run.memory_per_rank()) / 2**20,
                 "max |Δloss| vs ref": max_loss_delta(run, runs[0]),
                 "max rel |Δgrad_norm| vs ref": max_grad_norm_delta(run, runs[0]),
+                **({"skipped (fp16)": run.skipped} if any(r.skipped is not None for r in runs) else {}),
                 # --profile-steps runs only: the share of collective time that computation hid
                 "comm hidden": (run.info.get("profile") or {}).get("comm_hidden_fraction"),
             }

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 from dataclasses import dataclass, fields
 
 from common.errors import UserError
@@ -27,7 +28,7 @@ MODEL_SIZES = {
     "7b": (16384, 27),  # 7.1 B: for planning on GPUs (the textbook's 7 B)
 }
 OPTIMIZERS = ("sgd", "adamw")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 SHARDINGS = ("full", "grad-op", "hybrid", "none")
 SHARD_UNITS = ("model", "blocks")
@@ -45,6 +46,20 @@ CHOICES = {  # flag -> (what it names, its values)
     "schedule": ("schedule", SCHEDULES),
     "lr_schedule": ("schedule", LR_SCHEDULES),
 }
+# Counts that must be at least 1, and those where 0 means something of its own (said in the error)
+AT_LEAST_ONE = (
+    *("train_size", "test_size", "epochs", "batch_size", "grad_accum_steps", "log_every", "timeout_s"),
+    *("n_microbatches", "stages_per_rank", "dp", "loss_scale_growth_interval"),
+)
+ZERO_MEANS = {
+    "max_steps": "no limit",
+    "warmup_steps": "none",
+    "eval_every": "only at the end",
+    "checkpoint_every": "never",
+    "keep": "keep all",
+    "threads": "automatic",
+}
+ZERO_MEANS |= {"keep": "keep all", "threads": "automatic"}
 
 
 class ConfigError(UserError, ValueError):
@@ -100,7 +115,12 @@ class Config:
     seed: int = 0
     """Seed for the data set, the shuffling and the initial weights: the same seed gives the same run."""
     precision: str = "fp32"
-    """Compute precision: fp32, or bf16 (autocast for DDP/pipeline, bf16 parameters for FSDP)."""
+    """Compute precision: fp32, bf16 or fp16 (autocast; FSDP: parameters in that dtype); fp16 scales the loss."""
+    loss_scale: float = 65536.0
+    """fp16: the initial loss scale, a power of two; halved on a step whose gradients overflow (the step is
+    skipped), doubled after --loss-scale-growth-interval steps in a row that do not."""
+    loss_scale_growth_interval: int = 2000
+    """fp16: steps without overflow after which the loss scale doubles."""
 
     # --- FSDP ---
     sharding: str = "full"
@@ -173,12 +193,11 @@ class Config:
                 name.replace("_", "-"),
                 f"unknown {what} {value!r}; choose one of {', '.join(choices)}",
             )
-        need(self.train_size >= 1, "train-size", f"must be at least 1, got {self.train_size}")
-        need(self.test_size >= 1, "test-size", f"must be at least 1, got {self.test_size}")
-        need(self.epochs >= 1, "epochs", f"must be at least 1, got {self.epochs}")
-        need(self.max_steps >= 0, "max-steps", f"must be 0 (no limit) or positive, got {self.max_steps}")
-        need(self.batch_size >= 1, "batch-size", f"must be at least 1, got {self.batch_size}")
-        need(self.grad_accum_steps >= 1, "grad-accum-steps", f"must be at least 1, got {self.grad_accum_steps}")
+        for name in AT_LEAST_ONE:
+            need(getattr(self, name) >= 1, name.replace("_", "-"), f"must be at least 1, got {getattr(self, name)}")
+        for name, zero in ZERO_MEANS.items():
+            value = getattr(self, name)
+            need(value >= 0, name.replace("_", "-"), f"must be 0 ({zero}) or positive, got {value}")
         need(
             self.lr > 0 and self.lr == self.lr and self.lr != float("inf"),
             "lr",
@@ -191,22 +210,9 @@ class Config:
             "max-grad-norm",
             f"must be 0 (off) or positive, got {self.max_grad_norm}",
         )
-        need(self.warmup_steps >= 0, "warmup-steps", f"must be 0 or positive, got {self.warmup_steps}")
+        self.check_loss_scale()
         need(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), got {self.dropout}")
-        need(self.log_every >= 1, "log-every", f"must be at least 1, got {self.log_every}")
-        need(self.eval_every >= 0, "eval-every", f"must be 0 (only at the end) or positive, got {self.eval_every}")
-        need(
-            self.checkpoint_every >= 0,
-            "checkpoint-every",
-            f"must be 0 (never) or positive, got {self.checkpoint_every}",
-        )
         self.check_observability(on_cpu=(device_type or self.device) == "cpu")
-        need(self.keep >= 0, "keep", f"must be 0 (keep all) or positive, got {self.keep}")
-        need(self.threads >= 0, "threads", f"must be 0 (automatic) or positive, got {self.threads}")
-        need(self.timeout_s >= 1, "timeout-s", f"must be at least 1 second, got {self.timeout_s}")
-        need(self.n_microbatches >= 1, "n-microbatches", f"must be at least 1, got {self.n_microbatches}")
-        need(self.stages_per_rank >= 1, "stages-per-rank", f"must be at least 1, got {self.stages_per_rank}")
-        need(self.dp >= 1, "dp", f"must be at least 1, got {self.dp}")
         # the built-in data set's size is a flag, so this is known before any worker starts (for the
         # torchvision ones the sampler says the same once the data is loaded)
         need(
@@ -236,6 +242,12 @@ class Config:
             raise ConfigError("--memory-snapshot: records the profiled steps; add --profile-steps A:B (e.g. 3:5)")
         if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
             raise ConfigError("--tensorboard: the tensorboard package is not installed; pip install tensorboard")
+
+    def check_loss_scale(self) -> None:
+        if self.precision != "fp16" and (self.loss_scale, self.loss_scale_growth_interval) != (65536.0, 2000):
+            raise ConfigError("--loss-scale: only --precision fp16 scales the loss; add it, or drop the flag")
+        if not (self.loss_scale >= 1 and math.log2(self.loss_scale).is_integer()):  # (False for inf and nan)
+            raise ConfigError(f"--loss-scale: must be a power of two, 1 or more (e.g. 65536), got {self.loss_scale}")
 
     def check_world_size(self, world_size: int) -> None:
         """The checks that need the number of processes: every rank must get an equal share of a batch."""

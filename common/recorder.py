@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from common.config import Config
 from common.distributed import DistEnv, local_part
-from common.training import check_finite
+from common.training import LossScaler, check_finite
 
 _OFF = contextlib.nullcontext()  # reusable: entering it does nothing
 
@@ -35,6 +35,7 @@ class RunRecorder:
         self.last_train: dict[str, Any] = {}
         self.last_eval: dict[str, Any] = {}
         self.samples, self.train_time = 0, 0.0
+        self.skipped_steps: list[int] = []  # fp16: this launch's steps whose gradients overflowed, on this rank
         self._file = self._scalars = None
         if logs:
             self._file = _open_metrics(cfg.out, keep_up_to=start_step)
@@ -79,11 +80,15 @@ class RunRecorder:
                 self.peak.starts(step)
             yield step
 
-    def train(self, step: int, *, loss: float, lr: float, grad_norm: float) -> None:
+    def train(self, step: int, *, loss: float, lr: float, grad_norm: float, scaler: LossScaler) -> None:
         """Record optimizer step `step`, whose time ends here. A non-finite loss raises FloatingPointError (the
-        loss is reduced over all ranks, so every rank stops together)."""
+        loss is reduced over all ranks, so every rank stops together); fp16's records add the loss scale and
+        whether the step was skipped (its gradients overflowed: grad_norm null)."""
         step_time_s = time.perf_counter() - self.step_started
         check_finite(loss, step)
+        fp16 = {"loss_scale": scaler.used, "skipped": scaler.skipped} if scaler.enabled else {}
+        if scaler.skipped:
+            self.skipped_steps.append(step)
         samples = self.cfg.batch_size
         self.samples += samples
         self.train_time += step_time_s
@@ -92,9 +97,10 @@ class RunRecorder:
             "step": step,
             "loss": loss,
             "lr": lr,
-            "grad_norm": grad_norm,
+            "grad_norm": None if scaler.skipped else grad_norm,
             "samples_per_s": samples / step_time_s,
             "step_time_s": step_time_s,
+            **fp16,
         }
         with self.span("metrics"):  # the profiled step includes what recording it costs
             self._write(self.last_train)
@@ -103,6 +109,12 @@ class RunRecorder:
                 print(
                     f"step {step:>5}/{self.total_steps} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
                     f"{self.samples / self.train_time:7.0f} samples/s | ETA {_clock(eta)}",
+                    flush=True,
+                )
+            if self.logs and scaler.skipped:
+                print(
+                    f"step {step:>5}: fp16 gradients overflowed at loss scale {scaler.used:g}: step skipped, "
+                    f"scale now {scaler.value:g}",
                     flush=True,
                 )
         if self.profiler:
@@ -130,7 +142,11 @@ class RunRecorder:
         if self.parts:
             mine["param_bytes_of"] = {name: _bytes(part) for name, part in self.parts.items()}
         per_rank: list[Any] = [None] * dist.get_world_size()
+        mine["skipped_steps"] = self.skipped_steps  # fp16: this rank's own decisions (the same on every rank)
         dist.all_gather_object(per_rank, {**mine, **({"peak_bytes": self.peak.bytes} if self.peak else {})})
+        skipped = [r.pop("skipped_steps") for r in per_rank]
+        if self.cfg.precision == "fp16":
+            sections["loss_scaling"] = {"skipped_steps_per_rank": skipped}
         memory = {"per_rank": per_rank, **({"theory": memory_theory} if memory_theory else {})}
         if self.peak:
             memory["peak"] = self.peak.describe()

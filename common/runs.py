@@ -19,7 +19,7 @@ from common.config import Config, ConfigError
 TRAJECTORY = (
     *("dataset", "train_size", "test_size", "seed", "batch_size"),  # which samples, in which order
     *("optimizer", "lr", "weight_decay", "warmup_steps", "lr_schedule", "min_lr", "max_grad_norm"),  # the update
-    *("model_size", "dropout", "precision"),  # the model and its arithmetic
+    *("model_size", "dropout", "precision", "loss_scale", "loss_scale_growth_interval"),  # the model, its arithmetic
 )
 # Settings a resume may change, said once: the strategy and its layout (a DCP checkpoint loads into any of
 # them; --grad-accum-steps splits the same global batch differently), the length (with a decaying

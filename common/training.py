@@ -43,9 +43,45 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
+def low_precision(cfg: Config) -> torch.dtype | None:
+    """The dtype of --precision bf16 or fp16 (None for fp32)."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+
+
 def autocast(cfg: Config, device: torch.device):
-    """bf16 autocast for --precision bf16 (matmuls and convolutions in bf16, reductions in fp32)."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
+    """Autocast for --precision bf16 or fp16: matmuls and convolutions in that dtype, reductions in fp32."""
+    return torch.autocast(device.type, dtype=low_precision(cfg) or torch.bfloat16, enabled=cfg.precision != "fp32")
+
+
+class LossScaler:
+    """--precision fp16: the loss is multiplied by `value` before backward, so that small gradients do not flush
+    to zero in fp16, and clip_grad_norm divides it out again. A step whose gradients overflowed (their global norm
+    is not finite) is skipped and `value` halved; after --loss-scale-growth-interval steps without, doubled:
+    torch.amp.GradScaler's rule and defaults. The global norm is the same number on every rank (docs/training.md),
+    so every rank and stage skips together. Without fp16, `value` is 1 and no step is skipped."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.enabled, self.interval = cfg.precision == "fp16", cfg.loss_scale_growth_interval
+        self.value, self.good_steps, self.skipped = cfg.loss_scale if self.enabled else 1.0, 0, False
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.value if self.enabled else loss
+
+    def step(self, optimizer: torch.optim.Optimizer | None, grad_norm: float) -> None:
+        """optimizer.step() unless the gradients overflowed; then the scale for the next step."""
+        self.used, self.skipped = self.value, self.enabled and not math.isfinite(grad_norm)
+        if optimizer and not self.skipped:
+            optimizer.step()
+        if self.enabled:
+            self.good_steps = 0 if self.skipped else self.good_steps + 1
+            if self.skipped or self.good_steps == self.interval:  # (a power of two stays one: scaling is exact)
+                self.value, self.good_steps = self.value * (0.5 if self.skipped else 2.0), 0
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value, self.good_steps = float(state["value"]), int(state["good_steps"])
 
 
 def global_mean(value: torch.Tensor) -> float:

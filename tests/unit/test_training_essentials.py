@@ -9,7 +9,7 @@ import torch
 from common.cli import parse_config
 from common.clipping import clip_grad_norm
 from common.config import ConfigError
-from common.training import lr_at
+from common.training import LossScaler, lr_at
 
 
 def lrs(flags: list[str], steps: int) -> list[float]:
@@ -108,3 +108,82 @@ def test_compile_without_a_cpp_compiler_is_one_line_before_torchrun(monkeypatch,
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--compile: inductor's CPU backend needs a C++ compiler" in err, err
+
+
+# ------------------------------------------------------------------------------------------ fp16 loss scaling
+@pytest.mark.parametrize("max_norm", [0.0, 0.5])
+def test_unscaling_in_the_clip_is_gradscalers_unscale_then_clip(max_norm):
+    """clip_grad_norm(loss_scale=S) gives, bit for bit, what torch.amp.GradScaler's unscale_ followed by clipping
+    gives: the scale is a power of two, so dividing by it is exact wherever it happens."""
+    scale = 2.0**14
+    ours, theirs = model_with_grads(), model_with_grads()
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        p.grad.mul_(scale)
+        q.grad.mul_(scale)
+    norm = clip_grad_norm(ours.parameters(), max_norm, loss_scale=scale)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    scaler.scale(torch.ones(()))  # (GradScaler makes its scale tensor at the first call)
+    optimizer = torch.optim.SGD(theirs.parameters(), lr=0.1)
+    scaler.unscale_(optimizer)
+    expected = clip_grad_norm(theirs.parameters(), max_norm)
+    assert norm == expected
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_an_overflowed_gradient_gives_a_non_finite_norm():
+    model = model_with_grads()
+    next(model.parameters()).grad[0, 0] = float("inf")
+    assert not math.isfinite(clip_grad_norm(model.parameters(), 0.5, loss_scale=1024.0))
+
+
+def test_loss_scaler_follows_gradscalers_rule_and_resumes_exactly():
+    """Halve and skip on overflow, double after `interval` finite steps in a row (torch.amp.GradScaler's update),
+    compared step by step with GradScaler itself; state_dict carries everything a resume needs."""
+    cfg = parse_config("ddp", ["--precision", "fp16", "--loss-scale", "1024", "--loss-scale-growth-interval", "3"])
+    ours = LossScaler(cfg)
+    theirs = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+    theirs.scale(torch.ones(()))  # (GradScaler makes its scale tensor at the first call)
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    overflows = [True, False, False, False, False, True, False, False, False, False, False, False]
+    resumed = None
+    for i, overflow in enumerate(overflows):
+        param.grad = torch.tensor([float("inf") if overflow else 1.0]) * theirs.get_scale()
+        before = param.detach().clone()
+        theirs.step(optimizer)  # (SGD: the update is -grad, so a step shows as a change of the parameter)
+        theirs.update()
+        stepped = not torch.equal(param.detach(), before)
+        ours.step(None, float("inf") if overflow else 1.0)
+        assert ours.skipped == overflow == (not stepped)
+        assert ours.value == theirs.get_scale(), i
+        if i == 6:
+            resumed = LossScaler(cfg)
+            resumed.load_state_dict(ours.state_dict())
+        elif resumed:
+            resumed.step(None, float("inf") if overflow else 1.0)
+            assert resumed.state_dict() == ours.state_dict()
+    assert ours.scale(torch.tensor(3.0)).item() == 3.0 * ours.value
+
+
+def test_loss_scaler_is_inert_without_fp16():
+    scaler = LossScaler(parse_config("ddp", ["--precision", "bf16"]))
+    for _ in range(2001):
+        scaler.step(None, float("nan"))
+    assert (scaler.value, scaler.skipped, scaler.scale(torch.tensor(2.0)).item()) == (1.0, False, 2.0)
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--precision", "fp16", "--loss-scale", "1000"], "--loss-scale: must be a power of two"),
+        (["--precision", "fp16", "--loss-scale", "0.5"], "--loss-scale: must be a power of two, 1 or more"),
+        (["--precision", "fp16", "--loss-scale", "inf"], "--loss-scale: must be a power of two"),
+        (["--precision", "fp16", "--loss-scale-growth-interval", "0"], "--loss-scale-growth-interval: must be at"),
+        (["--loss-scale", "1024"], "--loss-scale: only --precision fp16 scales the loss"),
+        (["--precision", "bf16", "--loss-scale-growth-interval", "5"], "--loss-scale: only --precision fp16"),
+    ],
+)
+def test_bad_loss_scale_flags_are_one_line(flags, message):
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        parse_config("tp", flags)

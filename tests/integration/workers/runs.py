@@ -25,6 +25,9 @@ from common.cli import parse_config
 from common.distributed import setup_distributed, teardown_distributed
 from tests.helpers import rewind
 from tests.integration.workers.seeding import check_seeding
+from tests.integration.workers.skip_agreement import check_skip_agreement
+
+CHECKS = {"seeding": check_seeding, "skip-agreement": check_skip_agreement}  # not trainings: checks on real ranks
 
 # The built-in data set is a pure function of its arguments, and no run writes into it (to_device_batch
 # gathers copies): built once per process instead of once per run, it saves ~0.15 s of every run on every rank.
@@ -43,8 +46,8 @@ def main() -> None:
                     rewind(Path(run["rewind"][0]), Path(out), run["rewind"][1])
                 if dist.is_initialized():
                     dist.barrier()  # every rank sees the copy before its run reads it
-            if run["strategy"] == "seeding":
-                check_seeding(env, Path(out))
+            if run["strategy"] in CHECKS:
+                CHECKS[run["strategy"]](env, Path(out))
                 continue
             cfg = parse_config(run["strategy"], [*run["flags"], "--out", out], world_size=env.world_size)
             torch.set_num_threads(cfg.threads or default_threads)  # what setup_distributed does with --threads

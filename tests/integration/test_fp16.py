@@ -1,0 +1,119 @@
+"""fp16 with loss scaling on real processes (gloo): every strategy against one fp16 process, a forced overflow
+skipped on the same steps by every rank and by the one-process run that forms the same fp16 tensors, and an
+exact resume with the scaler's state. docs/training.md, "fp16 and loss scaling", explains the numbers."""
+
+import json
+
+import pytest
+
+from tests.helpers import SMALL, Run, losses, max_abs_diff, read_metrics, read_run
+
+STEPS = 20
+FP16 = [
+    *SMALL,
+    *("--precision", "fp16", "--dropout", "0", "--lr", "1e-4", "--batch-size", "64"),
+    *("--max-steps", str(STEPS), "--warmup-steps", "4"),
+]
+S = 2**30  # far above what fp16 holds: the first ~11 steps overflow and halve the scale down to where it fits
+OVERFLOW = ["--loss-scale-growth-interval", "3"]  # then doubling every 3 steps finds the edge again and again
+
+
+def overflow(scale: int) -> list[str]:
+    return [*FP16, *OVERFLOW, "--loss-scale", str(scale), "--checkpoint-every", "10"]
+
+
+# A rank's loss is the mean over its share of the batch, so each of W data-parallel ranks forms fp16 gradients
+# W times those of one process at the same scale, and the pipeline's micro-batch sums cover fewer samples: the
+# one-process run with the same fp16 tensors is --grad-accum-steps 4 (chunks of 16), at the scale x W for DDP
+# and FSDP. TP's ranks each run the whole batch: one process as it is. FSDP computes in fp16 parameters (not
+# autocast): its reference is FSDP on one process.
+POOLED = {
+    "ref": Run("ddp", FP16, nproc=1),
+    "ref-fsdp": Run("fsdp", FP16, nproc=1),
+    "ddp": Run("ddp", FP16),
+    "fsdp": Run("fsdp", FP16),
+    "pp": Run("pippy", FP16),
+    "tp": Run("tp", FP16, nproc=2),
+    "ref-ovf": Run("ddp", overflow(S), nproc=1),
+    "ref-ovf-chunks": Run("ddp", [*overflow(S), "--grad-accum-steps", "4"], nproc=1),
+    "ref-fsdp-ovf-chunks": Run("fsdp", [*overflow(S), "--grad-accum-steps", "4"], nproc=1),
+    "ddp-ovf": Run("ddp", overflow(S // 4)),
+    "fsdp-ovf": Run("fsdp", overflow(S // 4)),
+    "pp-ovf": Run("pippy", overflow(S)),
+    "tp-ovf": Run("tp", overflow(S), nproc=2),
+    **{
+        f"{name}-resumed": Run(strategy, [*overflow(scale), "--resume"], rewound_from=(f"fp16/{name}", 10))
+        for name, strategy, scale in (("ddp-ovf", "ddp", S // 4), ("fsdp-ovf", "fsdp", S // 4), ("pp-ovf", "pippy", S))
+    },
+    "agreement": Run("skip-agreement"),
+}
+PARITY = {"ddp": "ref", "fsdp": "ref-fsdp", "pp": "ref", "tp": "ref"}
+TWINS = {
+    "ddp-ovf": "ref-ovf-chunks",
+    "fsdp-ovf": "ref-fsdp-ovf-chunks",
+    "pp-ovf": "ref-ovf-chunks",
+    "tp-ovf": "ref-ovf",
+}
+
+
+@pytest.fixture(scope="module")
+def runs(pool):
+    return pool / "fp16"
+
+
+def skipped(out) -> list[int]:
+    train, _ = read_metrics(out)
+    return [s for s in sorted(train) if train[s]["skipped"]]
+
+
+def scales(out) -> list[float]:
+    train, _ = read_metrics(out)
+    return [train[s]["loss_scale"] for s in sorted(train)]
+
+
+@pytest.mark.parametrize("name", PARITY)
+def test_fp16_runs_match_one_fp16_process(runs, name):
+    """fp16's unit roundoff is 2^-11 = 4.9e-4: summing a gradient in another order (per rank, then across ranks)
+    changes it by about that, relative, and AdamW turns such differences into weight differences of ~lr per
+    step. Over 20 steps at --lr 1e-4 the loss then moves by ~1e-4 to 1e-3. TP adds its all-reduces of partial
+    activations in fp16, three more roundings in every forward, and stays within 5e-3."""
+    bound = 5e-3 if name == "tp" else 1e-3
+    assert max_abs_diff(losses(runs / name), losses(runs / PARITY[name])) <= bound
+    assert skipped(runs / name) == [] and set(scales(runs / name)) == {65536.0}  # the default scale never overflowed
+    assert losses(runs / name)[-1] < losses(runs / name)[0]
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_a_forced_overflow_skips_the_same_steps_as_one_process_then_the_same_curve(runs, name):
+    twin = TWINS[name]
+    steps = skipped(runs / name)
+    assert steps == skipped(runs / twin)
+    assert steps[:11] == list(range(1, 12)) and len(steps) > 11  # the forced steps, then the edge found again
+    assert max_abs_diff(losses(runs / name), losses(runs / twin)) <= 1e-4
+    # every rank and stage decided alike (run.json: each rank's own skipped steps)
+    assert read_run(runs / name)["loss_scaling"]["skipped_steps_per_rank"] == [steps] * (2 if name == "tp-ovf" else 4)
+    ratio = 4 if name in ("ddp-ovf", "fsdp-ovf") else 1
+    assert [s * ratio for s in scales(runs / name)] == scales(runs / twin)
+
+
+@pytest.mark.parametrize("name", ["ddp-ovf", "fsdp-ovf", "pp-ovf"])
+def test_an_fp16_run_resumed_repeats_the_run_bit_for_bit(runs, name):
+    full, resumed = read_metrics(runs / name)[0], read_metrics(runs / f"{name}-resumed")[0]
+    assert sorted(full) == sorted(resumed) == list(range(1, STEPS + 1))
+    for step in full:  # the loss, the scale and the skip decision of every step, the resumed ones included
+        assert {k: full[step][k] for k in ("loss", "loss_scale", "skipped", "grad_norm")} == {
+            k: resumed[step][k] for k in ("loss", "loss_scale", "skipped", "grad_norm")
+        }
+    meta = json.loads((runs / name / "checkpoints" / "step_0000010" / "meta.json").read_text())
+    assert meta["loss_scaler"]["value"] == read_metrics(runs / name)[0][11]["loss_scale"]
+
+
+def test_one_ranks_overflow_is_every_ranks_skip(runs):
+    """An inf in one rank's gradients only (a shard of an FSDP2 layer; one pipeline stage): the global norm is inf
+    on every rank, so every LossScaler skips and halves (tests/integration/workers/skip_agreement.py). GradScaler's
+    own check agrees on FSDP2's DTensors but, on a pipeline, sees only its own stage."""
+    found = json.loads((runs / "agreement" / "skip_agreement.json").read_text())
+    for case in ("fsdp", "pipeline"):
+        assert found[case]["skipped"] == [True] * 4 and found[case]["scale"] == [512.0] * 4
+    assert found["fsdp"]["gradscaler"] == [1.0] * 4
+    assert found["pipeline"]["gradscaler"] == [0.0, 0.0, 0.0, 1.0]
