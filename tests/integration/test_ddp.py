@@ -162,6 +162,7 @@ BAD_INPUT = [
     ([], {"NNODES": "2", "NODE_RANK": "0"}, "MASTER_ADDR"),
     (["--dataset", "mnist", "--data-dir", "/nonexistent/mnist"], {}, "--data-dir"),
     (["--train-size", "64"], {}, "--batch-size"),  # the global batch 128 does not fit in 64 images
+    (["--precision", "fp16", "--loss-scale", "1000"], {}, "--loss-scale"),  # not a power of two
 ]
 
 
