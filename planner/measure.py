@@ -30,7 +30,7 @@ from common.memory_peak import PeakBytes, state_tensors
 from common.model import build_model
 from common.model_sizes import DATASET_SHAPES
 from common.recorder import measure_memory
-from common.training import build_optimizer
+from common.training import LossScaler, build_optimizer
 
 
 @dataclass
@@ -201,7 +201,7 @@ def _pipeline_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
         sent = [outputs[i] for i in mine if i < layout.n_stages - 1]
         in_flight = max((4 * torch.Size(shape).numel() for shape in sent), default=0)  # fp32 activations
         modules, stages = apply_pipeline(pieces, layout, mesh, cfg, env, io_shapes=io_shapes)
-        schedule = make_schedule(stages, cfg)
+        schedule = make_schedule(stages, cfg, LossScaler(cfg))  # (fp16 scales the loss: memory is the same)
         local = nn.Sequential(*(layer for i in sorted(modules) for layer in modules[i].children()))
         params = list(local.parameters())
         optimizer = build_optimizer(params, cfg) if params else None
