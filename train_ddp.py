@@ -25,6 +25,7 @@ from common.distributed import DistEnv, RankLogger, run, seed_everything, setup_
 from common.model import build_model
 from common.recorder import RunRecorder
 from common.runs import already_done, total_steps
+from common.traffic import Traffic, add
 from common.training import LossScaler, autocast, build_optimizer, evaluate, global_mean, lr_at, set_lr
 
 
@@ -43,6 +44,12 @@ def apply_ddp(model: nn.Module, cfg: Config, env: DistEnv, *, init_sync: bool = 
     # [DDP] Hooks all-reduce gradients during backward; .grad lives in DDP's buckets (one copy fewer).
     device_ids = [env.local_rank] if env.device.type == "cuda" else None
     model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True, init_sync=init_sync)
+    if cfg.allreduce == "ring":
+        from common.ring import ring_hook  # only with the flag
+
+        # [DDP] Each gradient bucket averaged by the ring all-reduce written out in common/ring.py (point-to-point
+        # sends) instead of gloo's or NCCL's own: the same sums, in another order (docs/communication.md).
+        model.register_comm_hook(None, ring_hook)
     if cfg.compile:
         from common.compiling import compile_modules  # only with the flag, like every optional feature
 
@@ -50,6 +57,15 @@ def apply_ddp(model: nn.Module, cfg: Config, env: DistEnv, *, init_sync: bool = 
         # splits the graph at DDP's bucket boundaries, so each bucket still all-reduces during backward.
         compile_modules([model], env.device)
     return model
+
+
+def ddp_traffic(model: nn.Module, env: DistEnv) -> Traffic:
+    """[DDP] What each rank moves per step: one all-reduce of every gradient, bucket by bucket, on the last
+    accumulation step only (run.json "traffic"; docs/communication.md)."""
+    traffic: Traffic = {}
+    for p in model.parameters():
+        add(traffic, "all_reduce", elements=p.numel(), itemsize=p.element_size(), ranks=env.world_size)
+    return traffic
 
 
 def train(cfg: Config, env: DistEnv) -> None:
@@ -144,7 +160,7 @@ def train(cfg: Config, env: DistEnv) -> None:
             )
 
     run_eval(steps)
-    recorder.finish()
+    recorder.finish(traffic=ddp_traffic(model, env))
 
 
 if __name__ == "__main__":

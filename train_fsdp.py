@@ -29,6 +29,7 @@ from common.model import BabyCNN, build_model
 from common.model_sizes import state_bytes_theory
 from common.recorder import RunRecorder
 from common.runs import already_done, total_steps
+from common.traffic import Traffic, add, padded_shard
 from common.training import LossScaler, build_optimizer, evaluate, global_mean, low_precision, lr_at, set_lr
 
 
@@ -111,6 +112,34 @@ def apply_fsdp(model: BabyCNN, mesh: DeviceMesh, cfg: Config, env: DistEnv) -> n
     return model
 
 
+def fsdp_traffic(model: BabyCNN, mesh: DeviceMesh, cfg: Config) -> Traffic:
+    """[FSDP] What each rank moves per step (run.json "traffic"; docs/communication.md), from the units as
+    apply_fsdp makes them: each unit's parameters all-gathered before its forward (each accumulation step) and,
+    if it was resharded after forward, again before its backward; its gradients reduce-scattered once, and with
+    hybrid the shard all-reduced over the replicas. Shards are padded to equal rows (`padded_shard`)."""
+    shard = mesh["shard"].size()
+    replicas = mesh["replicate"].size() if "replicate" in (mesh.mesh_dim_names or ()) else 1
+    blocks = list(fsdp_units(model).values()) if cfg.shard_units == "blocks" else []
+    in_blocks = {id(p) for layers in blocks for layer in layers for p in layer.parameters()}
+    units = [[p for layer in layers for p in layer.parameters()] for layers in blocks]
+    units.append([p for p in model.parameters() if id(p) not in in_blocks])  # the root: what no block holds
+    low = low_precision(cfg)
+    gather_itemsize = torch.empty((), dtype=low).element_size() if low else 4  # (reduced in fp32 either way)
+    traffic: Traffic = {}
+    for i, params in enumerate(units):
+        elements = shard * sum(padded_shard(tuple(p.shape), shard) for p in params)
+        if not elements:
+            continue
+        # resharded after forward: every unit but the last block and the root, unless grad-op or none keep them
+        regathered = cfg.sharding in ("full", "hybrid") and i < len(units) - 2
+        gathers = cfg.grad_accum_steps * (2 if regathered else 1)
+        add(traffic, "all_gather", elements=elements, itemsize=gather_itemsize, ranks=shard, times=gathers)
+        add(traffic, "reduce_scatter", elements=elements, itemsize=4, ranks=shard)
+        if replicas > 1:
+            add(traffic, "all_reduce", elements=elements // shard, itemsize=4, ranks=replicas)
+    return traffic
+
+
 def train(cfg: Config, env: DistEnv) -> None:
     log = RankLogger(env.is_main)
     log(f"FSDP {cfg.sharding} | {env.world_size} ranks on {env.device.type}/{env.backend} | torch {torch.__version__}")
@@ -137,6 +166,7 @@ def train(cfg: Config, env: DistEnv) -> None:
     log(f"BabyCNN {cfg.model_size}: {n_params:,} parameters")
     seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
     mesh = fsdp_mesh(cfg, env)  # [FSDP]
+    traffic = fsdp_traffic(model, mesh, cfg)  # [FSDP] (before sharding: the units' whole parameters)
     model = apply_fsdp(model, mesh, cfg, env)  # [FSDP]
     optimizer = build_optimizer(model.parameters(), cfg)  # [FSDP] after sharding: it steps the local shards
     scaler = LossScaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
@@ -205,7 +235,7 @@ def train(cfg: Config, env: DistEnv) -> None:
     # [FSDP] The theory next to the measurement: the textbook's bytes per parameter, divided by the shards.
     theory = state_bytes_theory(n_params, shards=mesh["shard"].size(), optimizer=cfg.optimizer)
     mesh_shape = dict(zip(mesh.mesh_dim_names, mesh.shape))
-    recorder.finish(memory_theory=theory, files=["model.pt"], mesh=mesh_shape)
+    recorder.finish(traffic=traffic, memory_theory=theory, files=["model.pt"], mesh=mesh_shape)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from common.pipeline_actions import StageActions
 from common.pipeline_layout import PipelineLayout
 from common.recorder import RunRecorder
 from common.runs import already_done, total_steps
+from common.traffic import Traffic, add, padded_shard
 from common.training import LossScaler, autocast, build_optimizer, evaluate, lr_at, set_lr
 
 
@@ -108,6 +109,34 @@ def make_schedule(stages: list[PipelineStage], cfg: Config, scaler: LossScaler) 
     return build_schedule(cfg.schedule, stages, cfg.n_microbatches, loss_fn)
 
 
+def pipeline_traffic(
+    pieces: list[nn.Sequential], layout: PipelineLayout, pp_rank: int, example: torch.Tensor, cfg: Config, env: DistEnv
+) -> Traffic:
+    """[PP] What this rank moves per step (run.json "traffic"; docs/communication.md): for every micro-batch,
+    each activation that crosses to a stage on another rank and, in backward, its gradient coming back; with
+    --dp, each stage's FSDP2 all-gather and reduce-scatter over the replicas (once per schedule step)."""
+    micro_batch = cfg.chunk_size(env.world_size) // cfg.n_microbatches
+    times = cfg.n_microbatches * cfg.grad_accum_steps
+    outputs, x = [], example[:1]
+    with torch.no_grad(), autocast(cfg, torch.device("cpu")):  # the activations' shapes and dtypes
+        for piece in pieces:
+            x = piece(x)
+            outputs.append((micro_batch * x[0].numel(), x.element_size()))
+    traffic: Traffic = {}
+    for s in layout.stages_of(pp_rank):
+        if s + 1 < layout.n_stages and layout.owner(s + 1) != pp_rank:  # forward out, its gradient back in
+            add(traffic, "send", elements=outputs[s][0], itemsize=outputs[s][1], times=times)
+            add(traffic, "recv", elements=outputs[s][0], itemsize=outputs[s][1], times=times)
+        if s > 0 and layout.owner(s - 1) != pp_rank:  # forward in, its gradient back out
+            add(traffic, "recv", elements=outputs[s - 1][0], itemsize=outputs[s - 1][1], times=times)
+            add(traffic, "send", elements=outputs[s - 1][0], itemsize=outputs[s - 1][1], times=times)
+        elements = layout.dp * sum(padded_shard(tuple(p.shape), layout.dp) for p in pieces[s].parameters())
+        if layout.dp > 1 and elements:
+            add(traffic, "all_gather", elements=elements, itemsize=4, ranks=layout.dp, times=cfg.grad_accum_steps)
+            add(traffic, "reduce_scatter", elements=elements, itemsize=4, ranks=layout.dp, times=cfg.grad_accum_steps)
+    return traffic
+
+
 def train(cfg: Config, env: DistEnv) -> None:
     layout = PipelineLayout.of(cfg, env.world_size)  # [PP] ranks per pipeline, stages, which rank holds which
     # [PP] A 2-D mesh: "dp" indexes the pipeline replicas, "pp" the ranks of one pipeline
@@ -148,6 +177,7 @@ def train(cfg: Config, env: DistEnv) -> None:
     # `flatten` always opens a stage: its output is a view, and the zero-bubble schedules (torch 2.14.1) fail on
     # a stage whose output is a view.
     pieces = split_model(model, layout.stage_starts)
+    traffic = pipeline_traffic(pieces, layout, pp_rank, data.train.images[:1].float(), cfg, env)  # [PP]
     log(describe_cut(pieces, layout))
     shapes = stage_output_shapes(pieces, data.train.images[:1].float(), batch_size=chunk_size)  # for evaluation
     seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
@@ -259,7 +289,7 @@ def train(cfg: Config, env: DistEnv) -> None:
     )
     evaluation = "stage by stage (send/recv)" if layout.local_handoff else "schedule.eval()"
     pipeline = {**layout.describe(), "logging_rank": env.rank, "bubble": bubble, "evaluation": evaluation}
-    recorder.finish(pipeline=pipeline)
+    recorder.finish(traffic=traffic, pipeline=pipeline)
 
 
 if __name__ == "__main__":

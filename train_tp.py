@@ -31,7 +31,8 @@ from common.model import BabyCNN, build_model
 from common.model_sizes import tp_pairs, tp_state_bytes_theory
 from common.recorder import RunRecorder
 from common.runs import already_done, total_steps
-from common.training import LossScaler, autocast, build_optimizer, evaluate, global_mean, lr_at, set_lr
+from common.traffic import Traffic, add, padded_shard
+from common.training import LossScaler, autocast, build_optimizer, evaluate, global_mean, low_precision, lr_at, set_lr
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -102,6 +103,56 @@ def apply_tp(model: BabyCNN, mesh: DeviceMesh, cfg: Config, env: DistEnv) -> nn.
     return model
 
 
+def tp_traffic(model: BabyCNN, cfg: Config, env: DistEnv) -> Traffic:
+    """[TP] What each rank moves per step (run.json "traffic"; docs/communication.md), from the model before the
+    split: per pair and accumulation step, an all-reduce over "tp" of the row-wise layer's output in forward and
+    of the column-wise layer's input gradient in backward; with --dp, FSDP over "dp" of what TP leaves each rank
+    (a linear layer gathered before its forward and again before its backward, the root once; each unit's
+    gradients reduce-scattered once)."""
+    tp, chunk, steps = env.world_size // cfg.dp, cfg.chunk_size(env.world_size), cfg.grad_accum_steps
+    itemsize = torch.empty((), dtype=low_precision(cfg) or torch.float32).element_size()  # autocast's activations
+    traffic: Traffic = {}
+    split_dim = {}  # parameter -> the dim TP splits: a column-wise layer's rows (and bias), a row-wise one's columns
+    for col, row in tp_pairs(cfg.model_size):
+        add(
+            traffic,
+            "all_reduce",
+            elements=chunk * getattr(model, row).out_features,
+            itemsize=itemsize,
+            ranks=tp,
+            times=steps,
+        )
+        add(
+            traffic,
+            "all_reduce",
+            elements=chunk * getattr(model, col).in_features,
+            itemsize=itemsize,
+            ranks=tp,
+            times=steps,
+        )
+        split_dim |= {
+            id(getattr(model, col).weight): 0,
+            id(getattr(model, col).bias): 0,
+            id(getattr(model, row).weight): 1,
+        }
+    if cfg.dp > 1:
+
+        def shard(p: nn.Parameter) -> int:  # this rank's TP part of p, sharded again over "dp"
+            shape = list(p.shape)
+            if id(p) in split_dim:
+                shape[split_dim[id(p)]] //= tp
+            return padded_shard(tuple(shape), cfg.dp)
+
+        linears = [list(layer.parameters()) for layer in model.children() if isinstance(layer, nn.Linear)]
+        in_units = {id(p) for params in linears for p in params}
+        root = [p for p in model.parameters() if id(p) not in in_units]
+        for params, gathers in [*((params, 2) for params in linears), (root, 1)]:
+            elements = cfg.dp * sum(shard(p) for p in params)
+            add(traffic, "all_gather", elements=elements, itemsize=4, ranks=cfg.dp, times=gathers * steps)
+            add(traffic, "reduce_scatter", elements=elements, itemsize=4, ranks=cfg.dp)
+    return traffic
+
+
 def train(cfg: Config, env: DistEnv) -> None:
     log = RankLogger(env.is_main)
     mesh = tp_mesh(cfg, env)  # [TP]
@@ -130,6 +181,7 @@ def train(cfg: Config, env: DistEnv) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     log(f"BabyCNN {cfg.model_size}: {n_params:,} parameters")
     seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
+    traffic = tp_traffic(model, cfg, env)  # [TP] (before the split: the layers' whole shapes)
     model = apply_tp(model, mesh, cfg, env)  # [TP]
     optimizer = build_optimizer(model.parameters(), cfg)
     scaler = LossScaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
@@ -200,7 +252,9 @@ def train(cfg: Config, env: DistEnv) -> None:
     tp = mesh["tp"].size()
     theory = tp_state_bytes_theory(cfg.model_size, tp=tp, dp=cfg.dp, optimizer=cfg.optimizer, dataset=cfg.dataset)
     split_layers = [list(pair) for pair in tp_pairs(cfg.model_size)]
-    recorder.finish(memory_theory=theory, mesh={"dp": cfg.dp, "tp": tp}, tp={"split_layers": split_layers})
+    recorder.finish(
+        traffic=traffic, memory_theory=theory, mesh={"dp": cfg.dp, "tp": tp}, tp={"split_layers": split_layers}
+    )
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ SHARD_UNITS = ("model", "blocks")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
 STRATEGIES = ("ddp", "fsdp", "pippy", "tp")
+ALLREDUCES = ("builtin", "ring")
 CHOICES = {  # flag -> (what it names, its values)
     "dataset": ("data set", DATASETS),
     "model_size": ("model size", MODEL_SIZES),
@@ -45,6 +46,7 @@ CHOICES = {  # flag -> (what it names, its values)
     "shard_units": ("unit", SHARD_UNITS),
     "schedule": ("schedule", SCHEDULES),
     "lr_schedule": ("schedule", LR_SCHEDULES),
+    "allreduce": ("all-reduce", ALLREDUCES),
 }
 # Counts that must be at least 1, and those where 0 means something of its own (said in the error)
 AT_LEAST_ONE = (
@@ -121,6 +123,11 @@ class Config:
     skipped), doubled after --loss-scale-growth-interval steps in a row that do not."""
     loss_scale_growth_interval: int = 2000
     """fp16: steps without overflow after which the loss scale doubles."""
+
+    # --- DDP ---
+    allreduce: str = "builtin"
+    """DDP: how the gradient buckets are all-reduced: builtin (gloo's or NCCL's) or ring (common/ring.py, written out
+    in point-to-point sends, as a DDP communication hook)."""
 
     # --- FSDP ---
     sharding: str = "full"
@@ -312,6 +319,7 @@ def batch_larger_than_data(batch_size: int, n_samples: int) -> str:
 
 # Flags that exist only in some scripts; all other fields are flags of every script.
 STRATEGY_FLAGS = {
+    "allreduce": ("ddp",),
     "sharding": ("fsdp",),
     "shard_units": ("fsdp",),
     "cpu_offload": ("fsdp",),

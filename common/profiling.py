@@ -86,6 +86,46 @@ def collectives_by_span(events: Sequence[dict], spans: set[str]) -> dict[str, di
     return counts
 
 
+# The calls into the process group, as the trace names them (with record_shapes: their tensors' shapes), and the
+# argument that holds the tensor whose size the collective is counted by (traffic.py: the gathered output of an
+# all-gather, the input of a reduce-scatter)
+C10D_OPS = {
+    "c10d::allreduce_": ("all_reduce", 0),
+    "c10d::_allgather_base_": ("all_gather", 0),
+    "c10d::_reduce_scatter_base_": ("reduce_scatter", 1),
+    "c10d::send": ("send", 0),
+    "c10d::recv_": ("recv", 0),
+    "c10d::broadcast_": ("broadcast", 0),
+}
+
+
+def _numel(dims: list) -> int:
+    """Elements of a shape ([8, 64]) or of a list of shapes ([[8, 64], [10]]), as record_shapes writes them."""
+    if dims and isinstance(dims[0], list):
+        return sum(_numel(d) for d in dims)
+    n = 1
+    for d in dims:
+        n *= d
+    return n
+
+
+def traffic_counted(events: Sequence[dict], steps: int) -> dict[str, dict[str, float]]:
+    """From one rank's Chrome trace: per step, the calls and elements of each kind of collective this rank made,
+    as traffic.py predicts them. Single numbers (the loss, the gradient norm) are left out: they are not the
+    model's traffic. The trace says neither the dtype of a list of tensors nor the group: bytes are predicted."""
+    counted: dict[str, dict[str, float]] = {}
+    for e in events:
+        if e.get("ph") != "X" or e.get("name") not in C10D_OPS:
+            continue
+        kind, arg = C10D_OPS[e["name"]]
+        elements = _numel(e.get("args", {}).get("Input Dims", [[]] * (arg + 1))[arg])
+        if elements > 1:
+            entry = counted.setdefault(kind, {"calls": 0, "elements": 0})
+            entry["calls"] += 1 / steps
+            entry["elements"] += elements / steps
+    return counted
+
+
 class StepProfiler:
     """The profiler of one rank over steps [first, last] (both included)."""
 
@@ -113,7 +153,8 @@ class StepProfiler:
                 os.environ.setdefault("KINETO_LOG_LEVEL", "5")
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self._profiler = torch.profiler.profile(activities=activities, record_shapes=False)
+            # record_shapes: the collectives' tensor shapes, from which their traffic is counted
+            self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
             self._profiler.start()
         if self._profiler is not None:
             self._step_span = torch.profiler.record_function(f"step {step}")
@@ -144,6 +185,7 @@ class StepProfiler:
             "trace": path,
             **comm_overlap(events),
             "collectives": collectives_by_span(events, self._span_names),
+            "traffic": traffic_counted(events, self.last - self.first + 1),
         }
         if self.memory:
             snapshot = os.path.join(self.out_dir, "traces", f"memory_rank{self.rank}.pickle")
@@ -166,5 +208,6 @@ class StepProfiler:
             "definition": "comm_s = time in collectives (gloo/NCCL spans, their union per rank) over the profiled "
             "steps, summed over ranks; comm_hidden_fraction = the part of it during which an operator ran on a "
             "compute thread of the same rank, divided by comm_s; per_rank collectives = how many of each kind "
-            "began in each span of the profiled steps",
+            "began in each span of the profiled steps; per_rank traffic = calls and elements per step of each kind of "
+            "collective on tensors of more than one element, to set beside run.json's predicted traffic",
         }

@@ -19,6 +19,10 @@ from common.distributed import DistEnv, local_part
 from common.training import LossScaler, check_finite
 
 _OFF = contextlib.nullcontext()  # reusable: entering it does nothing
+TRAFFIC_DEFINITION = (
+    "per rank, per optimizer step, predicted from the model and the mesh: each kind of collective's elements and the "
+    "bytes the ring algorithm sends and receives for it (common/traffic.py); single numbers (loss, norm) left out"
+)
 
 
 class RunRecorder:
@@ -133,18 +137,26 @@ class RunRecorder:
             )
 
     def finish(
-        self, *, memory_theory: dict[str, Any] | None = None, files: Iterable[str] = (), **sections: Any
+        self,
+        *,
+        traffic: dict[str, Any],
+        memory_theory: dict[str, Any] | None = None,
+        files: Iterable[str] = (),
+        **sections: Any,
     ) -> None:
         """End the run (every rank calls this: it gathers). run.json gets each rank's memory (what track_memory
-        was given; the peak with --measure-peak) next to `memory_theory`, the profile, and the strategy's own
-        `sections` (mesh=..., pipeline=...); the final line names `files`, the others the run wrote."""
+        was given; the peak with --measure-peak) next to `memory_theory`, each rank's predicted `traffic` per
+        step (common/traffic.py), the profile, and the strategy's own `sections` (mesh=..., pipeline=...); the
+        final line names `files`, the others the run wrote."""
         mine = {"rank": self.env.rank, **measure_memory(self.params, self.optimizer, self.env.device)}
+        mine["traffic"] = traffic  # (gathered with the memory, then given its own section)
         if self.parts:
             mine["param_bytes_of"] = {name: _bytes(part) for name, part in self.parts.items()}
         per_rank: list[Any] = [None] * dist.get_world_size()
         mine["skipped_steps"] = self.skipped_steps  # fp16: this rank's own decisions (the same on every rank)
         dist.all_gather_object(per_rank, {**mine, **({"peak_bytes": self.peak.bytes} if self.peak else {})})
         skipped = [r.pop("skipped_steps") for r in per_rank]
+        sections["traffic"] = {"per_rank": [r.pop("traffic") for r in per_rank], "definition": TRAFFIC_DEFINITION}
         if self.cfg.precision == "fp16":
             sections["loss_scaling"] = {"skipped_steps_per_rank": skipped}
         memory = {"per_rank": per_rank, **({"theory": memory_theory} if memory_theory else {})}

@@ -26,7 +26,7 @@ TRAJECTORY = (
 # --lr-schedule, a new length re-times the decay from here on), the cadences, and what is observed (--compile
 # changes the kernels, not the arithmetic's meaning).
 MAY_CHANGE = (
-    *("strategy", "sharding", "shard_units", "cpu_offload", "activation_checkpointing"),
+    *("strategy", "allreduce", "sharding", "shard_units", "cpu_offload", "activation_checkpointing"),
     *("schedule", "n_microbatches", "stages_per_rank", "dp", "grad_accum_steps"),
     *("epochs", "max_steps", "log_every", "eval_every", "checkpoint_every", "keep"),
     *("compile", "profile_steps", "memory_snapshot", "tensorboard", "measure_peak"),

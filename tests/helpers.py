@@ -127,8 +127,8 @@ def rewind(src: Path, dst: Path, step: int) -> Path:
 class Run:
     """One training for a shared launch (tests/integration/conftest.py): train_<strategy>.py's training with
     `flags` on `nproc` processes. With `rewound_from` (another run's name in the pool, a step) it starts in a
-    copy of that run as it stood after that step (rewind), e.g. to --resume it. Strategies "seeding" and
-    "skip-agreement" are not trainings but checks on real ranks (tests/integration/workers/runs.py, CHECKS)."""
+    copy of that run as it stood after that step (rewind), e.g. to --resume it. Strategies "seeding",
+    "skip-agreement" and "ring" are not trainings but checks on real ranks (tests/integration/workers/runs.py)."""
 
     strategy: str
     flags: list[str] = field(default_factory=list)

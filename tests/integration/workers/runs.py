@@ -24,10 +24,15 @@ import common.digits
 from common.cli import parse_config
 from common.distributed import setup_distributed, teardown_distributed
 from tests.helpers import rewind
+from tests.integration.workers.ring_check import check_ring
 from tests.integration.workers.seeding import check_seeding
 from tests.integration.workers.skip_agreement import check_skip_agreement
 
-CHECKS = {"seeding": check_seeding, "skip-agreement": check_skip_agreement}  # not trainings: checks on real ranks
+CHECKS = {
+    "seeding": check_seeding,
+    "skip-agreement": check_skip_agreement,
+    "ring": check_ring,
+}  # not trainings: checks on real ranks
 
 # The built-in data set is a pure function of its arguments, and no run writes into it (to_device_batch
 # gathers copies): built once per process instead of once per run, it saves ~0.15 s of every run on every rank.

@@ -1,0 +1,73 @@
+"""The collectives on real processes (gloo): the hand-written ring all-reduce against dist.all_reduce and inside
+DDP, and each strategy's predicted traffic per step (run.json "traffic") against what the profiler saw."""
+
+import json
+
+import pytest
+
+from tests.helpers import PARITY, SMALL, Run, losses, max_abs_diff, read_run
+
+RING_STEPS = 20
+# profiled from step 3: DDP's second step also broadcasts its rebuilt bucket layout, the pipeline's first infers
+# the activations' shapes
+TRAFFIC = [*SMALL, "--max-steps", "4", "--batch-size", "32", "--profile-steps", "3:4"]
+TRAFFIC_RUNS = {
+    "ddp": ("ddp", []),
+    "fsdp-full": ("fsdp", ["--shard-units", "blocks"]),  # the features resharded after forward: gathered twice
+    "fsdp-hybrid": ("fsdp", ["--sharding", "hybrid"]),  # + the shards' all-reduce over the 2 replicas
+    "pp-1f1b": ("pippy", []),
+    "fsdp-x-tp": ("tp", ["--dp", "2"]),  # TP's all-reduces and FSDP over "dp"
+}
+
+POOLED = {
+    **{f"ring{n}": Run("ring", nproc=n) for n in (2, 3, 4)},
+    "builtin": Run("ddp", [*PARITY, "--max-steps", str(RING_STEPS)]),
+    "ring": Run("ddp", [*PARITY, "--max-steps", str(RING_STEPS), "--allreduce", "ring"]),
+    **{f"traffic-{name}": Run(strategy, [*TRAFFIC, *flags]) for name, (strategy, flags) in TRAFFIC_RUNS.items()},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(pool):
+    return pool / "communication"
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_the_ring_equals_dist_all_reduce(runs, n):
+    """Lengths that do and do not divide by n (1 .. 4099), integers exactly, floats to rounding (the ring adds
+    the chunks in another order), over the whole world and over the even ranks (tests/integration/workers/)."""
+    found = json.loads((runs / f"ring{n}" / "ring.json").read_text())
+    assert found["world"] == n and any(length % n for length in found["lengths"])
+    groups = ["whole", "evens"] if n > 2 else ["whole"]
+    for group in groups:
+        assert all(r["equal"] for r in found[group]["torch.int64"]), group
+        assert max(r["max_rel"] for r in found[group]["torch.float32"]) <= 1e-6, group
+
+
+def test_ddp_through_the_ring_is_on_the_builtin_curve(runs):
+    ring = losses(runs / "ring")
+    assert len(ring) == RING_STEPS and max_abs_diff(ring, losses(runs / "builtin")) <= 1e-6
+    assert read_run(runs / "ring")["config"]["allreduce"] == "ring"
+
+
+@pytest.mark.parametrize("name", TRAFFIC_RUNS)
+def test_predicted_traffic_is_what_the_profiler_saw(runs, name):
+    """Per rank and kind of collective, the elements the script predicted from the model and the mesh equal the
+    elements of the collectives in the profiled steps' trace (the loss's and the norm's single numbers aside)."""
+    run = read_run(runs / f"traffic-{name}")
+    predicted = run["traffic"]["per_rank"]
+    measured = [rank["traffic"] for rank in run["profile"]["per_rank"]]
+    assert len(predicted) == len(measured) == 4
+    for rank, (mine, seen) in enumerate(zip(predicted, measured)):
+        assert set(mine) == set(seen), rank
+        for kind in mine:
+            assert mine[kind]["elements"] == seen[kind]["elements"] > 0, (rank, kind)
+    kinds = set().union(*predicted)
+    expected = {
+        "ddp": {"all_reduce"},
+        "fsdp-full": {"all_gather", "reduce_scatter"},
+        "fsdp-hybrid": {"all_gather", "reduce_scatter", "all_reduce"},
+        "pp-1f1b": {"send", "recv"},
+        "fsdp-x-tp": {"all_reduce", "all_gather", "reduce_scatter"},
+    }
+    assert kinds == expected[name]
