@@ -9,8 +9,6 @@ chunks travel round the ring, each overwriting the stale copies. Every rank send
 2 (n - 1) / n of the tensor, whatever n is (docs/communication.md measures it).
 """
 
-from __future__ import annotations
-
 import torch
 import torch.distributed as dist
 
@@ -43,6 +41,7 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     return tensor
 
 
+# (no `from __future__ import annotations` here: DDP reads the hook's annotations and wants the GradBucket class)
 def ring_hook(group: dist.ProcessGroup | None, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """A DDP communication hook (`model.register_comm_hook(None, ring_hook)`): each gradient bucket averaged over
     the ranks by ring_all_reduce instead of DDP's built-in all-reduce, as DDP's own hook does (divide, then sum)."""
