@@ -52,6 +52,8 @@ class Run:
         """The strategy and the settings that tell its runs apart."""
         c, strategy = self.config, self.info["strategy"]
         parts = [strategy]
+        if c.get("allreduce", "builtin") != "builtin":
+            parts.append(f"{c['allreduce']} all-reduce")
         if strategy == "fsdp":
             parts.append(c.get("sharding", ""))
         if strategy == "pippy":
