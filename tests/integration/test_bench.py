@@ -94,3 +94,23 @@ def test_pipeline_ceiling_is_the_heaviest_stage_on_one_core(report):
     assert ceiling["4"]["heaviest_stage"][0] == "conv2"
     assert ceiling["4"]["train_flops_per_sample"] == layers["conv2"]
     assert ceiling["4"]["samples_per_s"] == pytest.approx(100e9 / layers["conv2"])
+
+
+def test_the_collective_benchmark_in_nccl_tests_terms(tmp_path):
+    """python -m bench.collectives --quick on 2 processes: every op at a few sizes, time > 0, algbw = size / time,
+    busbw = algbw x nccl-tests' factor (2(n-1)/n = 1 for an all-reduce of 2 ranks, (n-1)/n = 0.5 for all-gather),
+    the JSON, the table and the figure."""
+    from bench.collectives import OPS, bus_factor
+
+    proc = run_command(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + ["-m", "bench.collectives", "--quick", "--out", str(tmp_path)],
+        timeout=240,
+    )
+    report = json.loads((tmp_path / "collectives.json").read_text())
+    assert report["world_size"] == 2 and {r["op"] for r in report["results"]} == set(OPS)
+    for r in report["results"]:
+        assert positive(r["time_s"]) and r["algbw_GBps"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9, rel=1e-6)
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * bus_factor(r["op"], 2), rel=1e-6)
+    assert bus_factor("all_reduce", 2) == 1 and bus_factor("all_gather", 2) == 0.5
+    assert (tmp_path / "collectives.png").stat().st_size > 0 and "all_reduce_ring" in proc.stdout

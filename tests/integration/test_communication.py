@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from bench.collectives import OPS
 from tests.helpers import PARITY, SMALL, Run, losses, max_abs_diff, read_run
 
 RING_STEPS = 20
@@ -71,3 +72,19 @@ def test_predicted_traffic_is_what_the_profiler_saw(runs, name):
         "fsdp-x-tp": {"all_reduce", "all_gather", "reduce_scatter"},
     }
     assert kinds == expected[name]
+
+
+def test_bench_traffic_sets_the_bytes_beside_the_benchmark(runs):
+    """bench.traffic on a real profiled run, with a made-up benchmark of exactly 1 GB/s for every op: each kind's
+    benchmark time is its bytes per step / 1 GB/s, and the counted elements are the predicted ones."""
+    from bench.traffic import rows
+
+    results = [{"op": op, "bytes": size, "time_s": size / 1e9} for op in OPS for size in (2**10, 2**30)]
+    run = read_run(runs / "traffic-fsdp-full")
+    table = rows(run, results)
+    gathers = [r for r in table if r["collective"] == "all_gather"]
+    assert len(gathers) == 4 and all(r["predicted elements"] == r["counted elements"] for r in gathers)
+    for row in gathers:
+        size = run["traffic"]["per_rank"][row["rank"]]["all_gather"]["bytes"]
+        assert row["benchmark ms"] == pytest.approx(size / 1e6, rel=1e-6)
+    assert sum(r["collective"] == "all (measured)" and r["measured ms"] > 0 for r in table) == 4
