@@ -1,0 +1,474 @@
+"""Collective communication measured in nccl-tests' terms: time, algbw and busbw per op and message size.
+
+    torchrun --standalone --nproc-per-node 4 -m bench.collectives           # 4 KiB .. 256 MiB: runs/collectives/
+    torchrun --standalone --nproc-per-node 4 -m bench.collectives --quick   # 3 sizes, a smoke test in seconds
+    NPROC=3 python -m bench.collectives --ops all_reduce,all_reduce_ring    # checks the flags, then starts torchrun
+    python -m bench.collectives --plot runs/c2/collectives.json runs/c4/collectives.json --out runs/cmp  # no torch
+
+The ops: all_reduce (dist.all_reduce), all_reduce_ring (common/ring.py's ring_all_reduce, the same sum written as
+isend/recv), reduce_scatter (dist.reduce_scatter_tensor), all_gather (dist.all_gather_into_tensor; torch 2.14
+names both `*_single` and warns at the old names), broadcast (from rank 0) and send_recv (rank 0 sends to rank 1,
+the others wait). float32, every power of 2 from --min-bytes to --max-bytes. The size is nccl-tests' size: the
+whole tensor for all_reduce, broadcast and send_recv, the gathered output for all_gather, the input for
+reduce_scatter (rounded down to a multiple of 4 x world size bytes).
+
+Per op and size: warm-up calls, a barrier, then back-to-back calls with no barrier between them, as many as fit
+in about TARGET_S; each rank times its own loop (time.perf_counter on the CPU, CUDA events on a GPU) and the op's
+time is the slowest rank's mean (nccl-tests' `-a 3`; its default, `-a 1`, averages the ranks); for send_recv it
+is the receiver's. From nccl-tests' doc/PERFORMANCE.md: algbw = size / time; busbw = algbw x 2(n-1)/n for an
+all-reduce, x (n-1)/n for all-gather and reduce-scatter, x 1 for broadcast and send/recv: the bytes each rank's
+link carries per second, comparable across n. Before timing, each op runs once on known values and is checked.
+
+Rank 0 prints the table and writes collectives.json (the machine, every row) and collectives.png (busbw against
+size) in --out. `predict_time_s` (no torch, no process group) reads an op's time at any size back from the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import math
+import os
+import platform
+import sys
+import time
+from datetime import date
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
+
+from bench.machine import CORES, ROOT, cpu_name, cpu_seconds
+from common.errors import UserError, fail
+
+if TYPE_CHECKING:
+    import torch
+
+    from common.distributed import DistEnv
+
+OPS = ("all_reduce", "all_reduce_ring", "reduce_scatter", "all_gather", "broadcast", "send_recv")
+FLOAT32 = 4  # bytes per element
+TARGET_S = 0.25  # timed seconds per op and size: 250 calls of 1 ms, 3 (MIN_ITERS) of 0.5 s
+QUICK_TARGET_S = 0.02
+MIN_ITERS, MAX_ITERS = 3, 1000  # nccl-tests times 20 by default; here small messages vary from call to call, so more
+WARMUP_ITERS, WARMUP_S = 5, 0.05  # nccl-tests' default -w 5, fewer where that would take longer than WARMUP_S
+UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+RUNTIME_MIB = 600  # a CPU worker's peak RSS besides its messages: 526 MiB measured with 1 MiB messages (torch, gloo)
+
+
+def bus_factor(op: str, world_size: int) -> float:
+    """nccl-tests' busbw / algbw (doc/PERFORMANCE.md): the fraction of the size each rank must send (or receive)."""
+    n = world_size
+    if op in ("all_reduce", "all_reduce_ring"):
+        return 2 * (n - 1) / n  # a reduce-scatter then an all-gather, each (n - 1) / n of the tensor per rank
+    if op in ("reduce_scatter", "all_gather"):
+        return (n - 1) / n
+    return 1.0  # broadcast: all of it leaves the root; send_recv: all of it crosses one link
+
+
+def predict_time_s(results: list[dict[str, Any]], op: str, size_bytes: float) -> float:
+    """The time of one `op` of `size_bytes` (nccl-tests' size), from a benchmark's rows (collectives.json's
+    "results"): log-log interpolation between the two measured sizes around it. Outside the measured range it is
+    the time at the nearest end, clamped, not extrapolated: past the largest size it underestimates, so measure up
+    to the sizes you ask about. Needs neither torch nor a process group."""
+    points = sorted((float(r["bytes"]), float(r["time_s"])) for r in results if r["op"] == op)
+    if not points:
+        raise ValueError(f"no rows for op {op!r}; the results hold {sorted({r['op'] for r in results})}")
+    if not size_bytes > 0:
+        raise ValueError(f"size_bytes must be positive, got {size_bytes}")
+    sizes = [size for size, _ in points]
+    if size_bytes <= sizes[0]:
+        return points[0][1]
+    if size_bytes >= sizes[-1]:
+        return points[-1][1]
+    i = bisect.bisect_left(sizes, size_bytes)
+    (size_hi, time_hi), (size_lo, time_lo) = points[i], points[i - 1]
+    if size_hi == size_bytes:
+        return time_hi
+    fraction = math.log(size_bytes / size_lo) / math.log(size_hi / size_lo)
+    return math.exp(math.log(time_lo) + fraction * math.log(time_hi / time_lo))
+
+
+def message_sizes(min_bytes: int, max_bytes: int, *, quick: bool) -> list[int]:
+    """Every power of 2 times --min-bytes up to --max-bytes; --quick: every 16th, up to 1 MiB."""
+    step, top = (16, max(min_bytes, min(max_bytes, 1 << 20))) if quick else (2, max_bytes)
+    sizes = [min_bytes]
+    while sizes[-1] * step <= top:
+        sizes.append(sizes[-1] * step)
+    return sizes
+
+
+def human(nbytes: float) -> str:
+    """4096 -> '4 KiB', 268435456 -> '256 MiB'."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes:g} B"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, as every entry point of the suite says a bad flag
+        raise UserError(f"{message} (see --help)")
+
+
+def parse_bytes(flag: str, text: str) -> int:
+    """'4096', '4K', '256M', '1G' (powers of 1024, as nccl-tests reads -b and -e) -> bytes."""
+    number, unit = (text[:-1], text[-1].upper()) if text[-1:].upper() in UNITS else (text, "")
+    try:
+        value = int(number) * UNITS[unit]
+    except ValueError:
+        raise UserError(f"{flag}: {text!r} is not a size; give bytes, e.g. 4096, 64K or 256M") from None
+    if value <= 0:
+        raise UserError(f"{flag}: {text} is not a positive size; give bytes, e.g. 4096, 64K or 256M")
+    return value
+
+
+def parse_args(argv: Sequence[str], world_size: int) -> argparse.Namespace:
+    """The flags, checked for a run of `world_size` processes: a bad one raises UserError (one line)."""
+    parser = _Parser(
+        prog="torchrun --standalone --nproc-per-node 4 -m bench.collectives",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--out", default="runs/collectives", help="folder for collectives.json and .png")
+    parser.add_argument("--min-bytes", default="4096", help="smallest message (bytes; K, M, G: powers of 1024)")
+    parser.add_argument("--max-bytes", default="268435456", help="largest message (bytes; K, M, G)")
+    parser.add_argument("--ops", default=",".join(OPS), help="which ops, comma-separated")
+    parser.add_argument("--quick", action="store_true", help="every 16th size up to 1 MiB, briefly: a smoke test")
+    parser.add_argument("--plot", nargs="+", metavar="JSON", help="no measuring: draw saved collectives.json files")
+    args = parser.parse_args(argv)
+    if args.plot:
+        return args
+    args.min_bytes = parse_bytes("--min-bytes", args.min_bytes)
+    args.max_bytes = parse_bytes("--max-bytes", args.max_bytes)
+    if args.min_bytes > args.max_bytes:
+        raise UserError(f"--min-bytes: {args.min_bytes} is larger than --max-bytes {args.max_bytes}; swap them")
+    if args.min_bytes < FLOAT32 * world_size:  # all_gather and reduce_scatter need one float32 per rank
+        raise UserError(
+            f"--min-bytes: {args.min_bytes} bytes hold less than one float32 per rank for {world_size} processes; "
+            f"use at least {FLOAT32 * world_size}"
+        )
+    args.ops = args.ops.split(",")
+    unknown = [op for op in args.ops if op not in OPS]
+    if unknown:
+        raise UserError(f"--ops: unknown op {unknown[0]!r}; choose from {','.join(OPS)}")
+    if world_size < 2:
+        raise UserError(f"--nproc-per-node (NPROC): a collective needs at least 2 processes, not {world_size}")
+    return args
+
+
+def check_memory(max_bytes: int, processes: int) -> None:
+    """The memory wall on the CPU, before any tensor: each process holds up to ~3 messages of --max-bytes at once
+    (all_gather: the gathered tensor, its shard, gloo's copy; 2.2 x 256 MiB measured above the runtime)."""
+    from common.memory import available_mib
+
+    available, need = available_mib(), processes * (RUNTIME_MIB + 3 * max_bytes / 2**20)
+    if available is not None and need > available:
+        raise UserError(
+            f"--max-bytes: {processes} processes x ({RUNTIME_MIB} MiB + 3 x {human(max_bytes)}) need ~{need / 1024:.1f}"
+            f" GiB, {available / 1024:.1f} GiB are available; lower --max-bytes"
+        )
+
+
+def launch(args: argparse.Namespace, argv: list[str], nproc: int) -> NoReturn:
+    """Without torchrun: the flags (`args`, parsed from `argv`) are checked here, so a bad one is one line and exit 2
+    before any worker starts (under torchrun a worker's exit 2 becomes torchrun's exit 1 and its report); then
+    this process becomes torchrun with `nproc` workers."""
+    from common.memory import gpu_mib
+
+    if gpu_mib() is None:  # no NVIDIA GPU (nvidia-smi says): the workers will hold their messages in this memory
+        check_memory(args.max_bytes, nproc)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # finds bench from any folder
+    os.execve(sys.executable, [*command, "-m", "bench.collectives", *argv], {**os.environ, "PYTHONPATH": path})
+
+
+def build_op(
+    op: str, size: int, env: DistEnv, *, fill: bool = False
+) -> tuple[Callable[[], object] | None, int, torch.Tensor]:
+    """(one call of `op` at nccl-tests' `size`, the bytes that size really is, the tensor the result lands in).
+    The call is None on a rank that sits out (send_recv on ranks past 1). The tensors hold zeros, which sum to
+    zeros call after call (ones would overflow to inf); fill=True: rank r's hold r + 1, for `check_ops`."""
+    import torch
+    import torch.distributed as dist
+
+    from common.ring import ring_all_reduce
+
+    n, rank = env.world_size, env.rank
+
+    def tensor(numel: int) -> torch.Tensor:
+        return torch.full((numel,), float(rank + 1) if fill else 0.0, dtype=torch.float32, device=env.device)
+
+    if op in ("reduce_scatter", "all_gather"):
+        shard_numel = size // (FLOAT32 * n)  # the size is rounded down to n equal shards
+        shard, full = tensor(shard_numel), tensor(shard_numel * n)
+        # torch 2.14 renamed reduce_scatter_tensor and all_gather_into_tensor (the old names warn); same calls
+        if op == "reduce_scatter":
+            reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+            return lambda: reduce_scatter(shard, full), full.numel() * FLOAT32, shard
+        all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+        return lambda: all_gather(full, shard), full.numel() * FLOAT32, full
+    whole = tensor(size // FLOAT32)
+    nbytes = whole.numel() * FLOAT32
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(whole), nbytes, whole
+    if op == "all_reduce_ring":
+        return lambda: ring_all_reduce(whole), nbytes, whole
+    if op == "broadcast":
+        return lambda: dist.broadcast(whole, src=0), nbytes, whole
+    if rank > 1:  # send_recv: one pair, so that one link is all that is measured
+        return None, nbytes, whole
+    return (lambda: dist.send(whole, dst=1)) if rank == 0 else (lambda: dist.recv(whole, src=0)), nbytes, whole
+
+
+def check_ops(ops: Sequence[str], env: DistEnv) -> None:
+    """Each op once on rank-numbered values (rank r holds r + 1) before anything is timed, at an odd size so that
+    the ring's chunks are uneven: a wrong sum or a misplaced shard stops the run, as nccl-tests' check would."""
+    import torch
+
+    n = env.world_size
+    total = n * (n + 1) / 2
+    for op in ops:
+        call, _, output = build_op(op, FLOAT32 * (7 * n + 3), env, fill=True)
+        if call is None:
+            continue
+        call()
+        if op == "all_gather":  # shard k comes from rank k
+            expected = torch.arange(1, n + 1, dtype=torch.float32, device=output.device)
+            expected = expected.repeat_interleave(output.numel() // n)
+        else:  # broadcast and send_recv: rank 0's ones; the reductions: the sum over the ranks
+            expected = torch.full_like(output, 1.0 if op in ("broadcast", "send_recv") else total)
+        if not torch.equal(output, expected):
+            raise RuntimeError(
+                f"[rank {env.rank}] {op} is wrong: got {output.tolist()[:8]}.., expected {expected.tolist()[:8]}.."
+            )
+
+
+def every_rank(value: float, env: DistEnv) -> list[float]:
+    """`value` from every rank, on every rank: an all-reduce of a vector with one entry per rank."""
+    import torch
+    import torch.distributed as dist
+
+    values = torch.zeros(env.world_size, dtype=torch.float64, device=env.device)
+    values[env.rank] = value
+    dist.all_reduce(values)
+    return values.tolist()
+
+
+def time_op(call: Callable[[], object] | None, env: DistEnv, *, target_s: float) -> tuple[list[float], int]:
+    """(each rank's mean seconds per call, 0.0 on a rank that sits out; how many calls were timed). The call counts
+    come from times all-reduced over the ranks, so every rank makes the same calls."""
+    import torch
+    import torch.distributed as dist
+
+    def calls(count: int) -> None:
+        for _ in range(count if call is not None else 0):
+            call()
+
+    def timed(count: int) -> float:
+        """This rank's mean seconds over `count` back-to-back calls, after a barrier has lined the ranks up."""
+        dist.barrier()
+        if call is None:
+            return 0.0
+        if env.device.type == "cuda":  # the GPU's clock: a call returns once it is queued on the stream, not done
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            calls(count)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / count
+        started = time.perf_counter()
+        calls(count)
+        return (time.perf_counter() - started) / count
+
+    calls(1)  # the first call sets up gloo's pairs or NCCL's communicator and touches the pages: not timed
+    one = max(max(every_rank(timed(1), env)), 1e-9)  # a second call, timed: how many fit in target_s
+    calls(min(WARMUP_ITERS - 2, int(WARMUP_S / one)))  # the rest of the warm-up, if it is cheap
+    iters = min(MAX_ITERS, max(MIN_ITERS, math.ceil(target_s / one)))
+    return every_rank(timed(iters), env), iters
+
+
+def own_cpu_s() -> float:
+    """CPU seconds this process has used, all its threads (gloo's included)."""
+    times = os.times()
+    return times.user + times.system
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (VmHWM), 0 where /proc is not there."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def machine_name() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what `platform` knows."""
+    name = cpu_name()
+    return (platform.processor() or platform.machine()) if name == "unknown CPU" else name
+
+
+HEADER = f"{'op':<16} {'size (B)':>11} {'iters':>5} {'time (us)':>12} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13}"
+
+
+def table_line(row: dict[str, Any]) -> str:
+    return (
+        f"{row['op']:<16} {row['bytes']:>11} {row['iters']:>5} {row['time_s'] * 1e6:>12.1f} "
+        f"{row['algbw_GBps']:>13.3f} {row['busbw_GBps']:>13.3f}"
+    )
+
+
+def draw(runs: list[dict[str, Any]], path: Path) -> None:
+    """busbw against message size (log-x), one line per op; one panel per process count, side by side on one y
+    axis. A repeated launch of the same count is drawn in its panel too, dotted: how far the launches differ."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = sorted({run["world_size"] for run in runs})
+    fig, axes = plt.subplots(1, len(counts), figsize=(6 * len(counts), 4.6), sharey=True, squeeze=False)
+    for ax, count in zip(axes[0], counts):
+        launches = [run for run in runs if run["world_size"] == count]
+        for k, run in enumerate(launches):
+            for i, op in enumerate(OPS):
+                rows = [r for r in run["results"] if r["op"] == op]
+                style = {"ls": "-", "marker": "o", "ms": 3} if k == 0 else {"ls": ":", "lw": 1, "alpha": 0.8}
+                busbw = [r["busbw_GBps"] for r in rows]
+                ax.plot([r["bytes"] for r in rows], busbw, color=f"C{i}", label=op if k == 0 else None, **style)
+        sizes = [r["bytes"] for run in launches for r in run["results"]]
+        ticks = [4**k for k in range(40) if 0.9 * min(sizes) <= 4**k <= 1.1 * max(sizes)]  # 4 KiB, 16 KiB, ..
+        ax.set_xscale("log")
+        ax.minorticks_off()
+        ax.set_xticks(ticks, [human(t) for t in ticks], fontsize=8)
+        ax.grid(alpha=0.3)
+        repeats = f" ({len(launches)} launches: first solid, others dotted)" if len(launches) > 1 else ""
+        ax.set(xlabel="message size (nccl-tests' size)", title=f"{count} processes, {launches[0]['backend']}{repeats}")
+    axes[0][0].set_ylabel("busbw (GB/s)")
+    axes[0][0].legend(fontsize=8)
+    first = runs[0]
+    fig.suptitle(f"{first['machine']}, {first['device']}, torch {first['torch']}, {first['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot(files: Sequence[str], out: Path) -> None:
+    """--plot: the figure of saved runs (a panel per process count) and, for several, all their rows in one file."""
+    runs = []
+    for name in files:
+        try:
+            runs.append(json.loads(Path(name).read_text()))
+        except (OSError, ValueError) as e:
+            raise UserError(f"--plot: cannot read {name}: {e}") from None
+    runs.sort(key=lambda run: run["world_size"])  # stable: a count's launches stay in the order given
+    out.mkdir(parents=True, exist_ok=True)
+    draw(runs, out / "collectives.png")
+    written = [out / "collectives.png"]
+    if len(runs) > 1:  # not collectives.json: --out may be one of the runs' own folders
+        (out / "collectives-runs.json").write_text(json.dumps({"runs": runs}, indent=1) + "\n")
+        written.append(out / "collectives-runs.json")
+    print(f"wrote {', '.join(map(str, written))}")
+
+
+def worker(argv: list[str]) -> None:
+    """One torchrun worker: join the group, check and time every op at every size, rank 0 reports."""
+    import torch
+
+    from common.distributed import RankLogger, setup_distributed, teardown_distributed
+
+    args = parse_args(argv, int(os.environ["WORLD_SIZE"]))  # every rank checks: a bad flag stops them all at once
+    if args.plot:
+        if int(os.environ["RANK"]) == 0:
+            plot(args.plot, Path(args.out))
+        return
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if not (torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size):  # setup_distributed's rule
+        check_memory(args.max_bytes, local_world_size)  # on the CPU: every process on this machine in its memory
+    env = setup_distributed()
+    log = RankLogger(env.is_main)
+    try:
+        started, load_before = time.perf_counter(), os.getloadavg()
+        machine_busy, own = cpu_seconds()[0], own_cpu_s()  # to say how much of the machine others took meanwhile
+        sizes = message_sizes(args.min_bytes, args.max_bytes, quick=args.quick)
+        check_ops(args.ops, env)
+        log(
+            f"# {env.world_size} processes, {env.backend} on {env.device.type}, {machine_name()}, torch "
+            f"{torch.__version__}; {human(sizes[0])} .. {human(sizes[-1])}; time: the slowest rank's mean"
+        )
+        log(HEADER)
+        results = []
+        for op in args.ops:
+            for size in sizes:
+                call, nbytes, _ = build_op(op, size, env)
+                times, iters = time_op(call, env, target_s=QUICK_TARGET_S if args.quick else TARGET_S)
+                del call  # frees this size's tensors before the next size allocates its own
+                measured = times[1:2] if op == "send_recv" else times  # send_recv: the receiver's time
+                algbw = nbytes / max(measured) / 1e9
+                row = {
+                    "op": op,
+                    "bytes": nbytes,
+                    "time_s": max(measured),
+                    "algbw_GBps": algbw,
+                    "busbw_GBps": algbw * bus_factor(op, env.world_size),
+                    "iters": iters,
+                    "time_s_per_rank": measured,
+                }
+                results.append(row)
+                log(table_line(row))
+        wall_s = time.perf_counter() - started
+        ranks_cpu_s = sum(every_rank(own_cpu_s() - own, env))
+        peak_rss = int(max(every_rank(peak_rss_bytes(), env)))
+        if env.is_main:
+            other_cores = max(0.0, cpu_seconds()[0] - machine_busy - ranks_cpu_s) / wall_s
+            report = {
+                "world_size": env.world_size,
+                "backend": env.backend,
+                "device": env.device.type,
+                "gpu": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else None,
+                "torch": torch.__version__,
+                "date": date.today().isoformat(),
+                "machine": machine_name(),
+                "cores": CORES,
+                "command": " ".join(
+                    ["torchrun --standalone", f"--nproc-per-node {env.local_world_size}", "-m bench.collectives"] + argv
+                ),
+                "timing": "per op: the slowest rank's mean over back-to-back calls (nccl-tests -a 3)",
+                "wall_s": wall_s,
+                "load_before": load_before,
+                "other_processes_cores": other_cores,  # cores others kept busy, torchrun's agent included
+                "peak_rss_bytes": peak_rss,  # the largest rank's
+                "results": results,
+            }
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "collectives.json").write_text(json.dumps(report, indent=1) + "\n")
+            draw([report], out / "collectives.png")
+            log(f"# {wall_s:.1f} s; other processes kept {other_cores:.2f} of {CORES} cores busy meanwhile")
+            log(f"wrote {out / 'collectives.json'}, {out / 'collectives.png'}")
+    finally:
+        teardown_distributed()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "RANK" in os.environ:  # a torchrun worker
+        from common.distributed import run
+
+        run(lambda: worker(argv))  # a UserError: one line from rank 0, exit 2
+        return
+    try:
+        text = os.environ.get("NPROC", "4")
+        if not text.isdigit() and "--plot" not in argv:
+            raise UserError(f"NPROC: {text!r} is not a process count")
+        args = parse_args(argv, int(text) if text.isdigit() else 2)
+        if args.plot:
+            plot(args.plot, Path(args.out))
+        else:
+            launch(args, argv, int(text))
+    except UserError as e:
+        fail(str(e))
+
+
+if __name__ == "__main__":
+    main()
