@@ -16,6 +16,7 @@ import glob
 import json
 import os
 import sys
+import tempfile
 from typing import Sequence
 
 from common.cli import parse_config
@@ -55,6 +56,24 @@ def finished_line(cfg: Config, meta: dict) -> str:
     return already_done(cfg.out, meta["step"], steps) if meta["step"] >= steps else ""
 
 
+def check_out(out: str) -> None:
+    """--out must be a folder this process can create files in, or one it can make: a read-only file system, a
+    file in its place or a folder without permission is one line here, not a traceback from every worker once
+    they have loaded the data. Tried by creating (and removing) a file, which also catches what permission bits
+    do not say (a read-only mount, root on a folder it may not write)."""
+    folder = os.path.abspath(out)
+    while not os.path.exists(folder):  # the nearest folder that exists: the run makes the rest
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise ConfigError(f"--out {out}: {folder} is a file, not a folder; choose another --out")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        problem = f"cannot write in {folder} ({e.strerror})"
+        raise ConfigError(f"--out {out}: {problem}; choose a folder you can write to") from None
+
+
 def _take(args: list[str], flag: str, *, has_value: bool = True) -> str | None:
     """Remove `flag` (and its value) from `args`; returns the value ("" for a switch), or None if absent."""
     if flag not in args:
@@ -83,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             require_compiler("cpu")
         if nproc is not None:
             check_memory(cfg, nproc=int(nproc), world_size=min(world_sizes), on_cpu=runs_on_cpu(cfg))
+        check_out(cfg.out)
         # --resume: a setting that would change the run's curve is refused before anything else happens
         meta = latest_meta(cfg.out) if cfg.resume else None
         if meta:

@@ -181,6 +181,23 @@ def test_runner_rejects_bad_input_with_one_line(flags, env, named, tmp_path):
     assert not (tmp_path / "out").exists(), "nothing may start before the input is valid"
 
 
+@pytest.mark.parametrize("where", ["a file", "under a file", "not writable"])
+def test_an_out_that_cannot_be_written_is_refused_before_torchrun(where, tmp_path):
+    """A file in --out's place, or a folder this process cannot create files in (/sys: a file system that refuses
+    new files even to root, as a read-only mount does): one line, exit 2, nothing started or written."""
+    (tmp_path / "file").write_text("a user's file\n")
+    out = {"a file": tmp_path / "file", "under a file": tmp_path / "file" / "run", "not writable": "/sys/babycnn"}[
+        where
+    ]
+    proc = run_command(["bash", "run_ddp.sh", "--out", str(out)], check=False, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    [line] = proc.stderr.splitlines()
+    assert line.startswith(f"error: --out {out}: ") and ("is a file, not a folder" in line or "cannot write in" in line)
+    assert (tmp_path / "file").read_text() == "a user's file\n" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "file"
+    ]
+
+
 def test_a_data_set_smaller_than_one_global_batch_is_one_line(tmp_path):
     proc = launch("train_ddp.py", 2, ["--train-size", "64", "--batch-size", "128"], tmp_path, check=False, timeout=120)
     # torchrun reports the failed worker with its own traceback (from its own files, which may live in a
