@@ -114,22 +114,9 @@ def tp_traffic(model: BabyCNN, cfg: Config, env: DistEnv) -> Traffic:
     traffic: Traffic = {}
     split_dim = {}  # parameter -> the dim TP splits: a column-wise layer's rows (and bias), a row-wise one's columns
     for col, row in tp_pairs(cfg.model_size):
-        add(
-            traffic,
-            "all_reduce",
-            elements=chunk * getattr(model, row).out_features,
-            itemsize=itemsize,
-            ranks=tp,
-            times=steps,
-        )
-        add(
-            traffic,
-            "all_reduce",
-            elements=chunk * getattr(model, col).in_features,
-            itemsize=itemsize,
-            ranks=tp,
-            times=steps,
-        )
+        # forward: the row-wise layer's output; backward: the gradient of the column-wise layer's input
+        for features in (getattr(model, row).out_features, getattr(model, col).in_features):
+            add(traffic, "all_reduce", elements=chunk * features, itemsize=itemsize, ranks=tp, times=steps)
         split_dim |= {
             id(getattr(model, col).weight): 0,
             id(getattr(model, col).bias): 0,
