@@ -61,7 +61,6 @@ ZERO_MEANS = {
     "keep": "keep all",
     "threads": "automatic",
 }
-ZERO_MEANS |= {"keep": "keep all", "threads": "automatic"}
 
 
 class ConfigError(UserError, ValueError):
