@@ -123,8 +123,7 @@ def fsdp_traffic(model: BabyCNN, mesh: DeviceMesh, cfg: Config) -> Traffic:
     in_blocks = {id(p) for layers in blocks for layer in layers for p in layer.parameters()}
     units = [[p for layer in layers for p in layer.parameters()] for layers in blocks]
     units.append([p for p in model.parameters() if id(p) not in in_blocks])  # the root: what no block holds
-    low = low_precision(cfg)
-    gather_itemsize = torch.empty((), dtype=low).element_size() if low else 4  # (reduced in fp32 either way)
+    gather_itemsize = (low_precision(cfg) or torch.float32).itemsize  # (reduced in fp32 either way)
     traffic: Traffic = {}
     for i, params in enumerate(units):
         elements = shard * sum(padded_shard(tuple(p.shape), shard) for p in params)

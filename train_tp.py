@@ -110,7 +110,7 @@ def tp_traffic(model: BabyCNN, cfg: Config, env: DistEnv) -> Traffic:
     (a linear layer gathered before its forward and again before its backward, the root once; each unit's
     gradients reduce-scattered once)."""
     tp, chunk, steps = env.world_size // cfg.dp, cfg.chunk_size(env.world_size), cfg.grad_accum_steps
-    itemsize = torch.empty((), dtype=low_precision(cfg) or torch.float32).element_size()  # autocast's activations
+    itemsize = (low_precision(cfg) or torch.float32).itemsize  # autocast's activations
     traffic: Traffic = {}
     split_dim = {}  # parameter -> the dim TP splits: a column-wise layer's rows (and bias), a row-wise one's columns
     for col, row in tp_pairs(cfg.model_size):

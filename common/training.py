@@ -63,6 +63,7 @@ class LossScaler:
     def __init__(self, cfg: Config) -> None:
         self.enabled, self.interval = cfg.precision == "fp16", cfg.loss_scale_growth_interval
         self.value, self.good_steps, self.skipped = cfg.loss_scale if self.enabled else 1.0, 0, False
+        self.used = self.value  # the scale the last step's loss was multiplied by (value may change after it)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.value if self.enabled else loss
