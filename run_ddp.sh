@@ -7,4 +7,5 @@
 set -euo pipefail
 source "$(dirname "$0")/common/launch.sh"
 preflight ddp "${RESUME_ARGS[@]}" "$@"
-exec "$PYTHON" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" train_ddp.py "${RESUME_ARGS[@]}" "$@"
+# common/supervise.py runs torchrun: signals (Ctrl-C, preemption) and how the run ended, each in one line
+exec "$PYTHON" -m common.supervise -- "$PYTHON" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" train_ddp.py "${RESUME_ARGS[@]}" "$@"

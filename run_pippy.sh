@@ -12,4 +12,5 @@ if (( MIN_NODES != MAX_NODES )); then  # not tested: a restart with fewer ranks 
   exit 2
 fi
 preflight pippy "${RESUME_ARGS[@]}" "$@"
-exec "$PYTHON" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" train_pippy.py "${RESUME_ARGS[@]}" "$@"
+# common/supervise.py runs torchrun: signals (Ctrl-C, preemption) and how the run ended, each in one line
+exec "$PYTHON" -m common.supervise -- "$PYTHON" -m torch.distributed.run "${TORCHRUN_ARGS[@]}" train_pippy.py "${RESUME_ARGS[@]}" "$@"

@@ -21,7 +21,15 @@ from common.cli import parse_config
 from common.clipping import clip_grad_norm
 from common.config import Config
 from common.data import GlobalBatchSampler, describe_data, load_dataset, to_device_batch
-from common.distributed import DistEnv, RankLogger, run, seed_everything, setup_distributed, teardown_distributed
+from common.distributed import (
+    DistEnv,
+    RankLogger,
+    run,
+    seed_everything,
+    setup_distributed,
+    stop_requested,
+    teardown_distributed,
+)
 from common.model import build_model
 from common.recorder import RunRecorder
 from common.runs import already_done, total_steps
@@ -31,7 +39,9 @@ from common.training import LossScaler, autocast, build_optimizer, evaluate, glo
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config("ddp", argv)
-    env = setup_distributed(device=cfg.device, timeout_s=cfg.timeout_s, threads=cfg.threads)
+    env = setup_distributed(
+        device=cfg.device, timeout_s=cfg.timeout_s, threads=cfg.threads, preempt_signal=cfg.preempt_signal
+    )
     try:
         cfg.check(world_size=env.world_size, device_type=env.device.type)
         train(cfg, env)
@@ -154,10 +164,15 @@ def train(cfg: Config, env: DistEnv) -> None:
         recorder.train(step, loss=global_mean(loss_sum), lr=lr, grad_norm=grad_norm, scaler=scaler)
         if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
             run_eval(step)
-        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+        stop = stop_requested()  # preemption: a SIGTERM/SIGUSR1 on any rank, learnt by every rank after this step
+        if stop or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
             save_checkpoint(
                 cfg, step, model=model, optimizers=[optimizer], scaler=scaler, steps_per_epoch=sampler.steps_per_epoch
             )
+        if stop:  # every rank saved this step: a resumed run repeats the uninterrupted one bit for bit
+            log(f"stopped by {stop} after step {step} of {steps}, with its checkpoint: --resume continues")
+            recorder.close()
+            return
 
     run_eval(steps)
     recorder.finish(traffic=ddp_traffic(model, env))

@@ -9,8 +9,6 @@ before it runs and its gradients reduce-scattered after its backward (docs/fsdp.
 are marked `# [FSDP]`.
 """
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,12 +17,26 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from common.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint, set_aside_previous_run
+from common.checkpoint import (
+    checkpoint_to_resume,
+    load_checkpoint,
+    save_checkpoint,
+    save_model_file,
+    set_aside_previous_run,
+)
 from common.cli import parse_config
 from common.clipping import clip_grad_norm
 from common.config import Config
 from common.data import GlobalBatchSampler, describe_data, load_dataset, to_device_batch
-from common.distributed import DistEnv, RankLogger, run, seed_everything, setup_distributed, teardown_distributed
+from common.distributed import (
+    DistEnv,
+    RankLogger,
+    run,
+    seed_everything,
+    setup_distributed,
+    stop_requested,
+    teardown_distributed,
+)
 from common.model import BabyCNN, build_model
 from common.model_sizes import state_bytes_theory
 from common.recorder import RunRecorder
@@ -35,7 +47,9 @@ from common.training import LossScaler, build_optimizer, evaluate, global_mean, 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config("fsdp", argv)
-    env = setup_distributed(device=cfg.device, timeout_s=cfg.timeout_s, threads=cfg.threads)
+    env = setup_distributed(
+        device=cfg.device, timeout_s=cfg.timeout_s, threads=cfg.threads, preempt_signal=cfg.preempt_signal
+    )
     try:
         cfg.check(world_size=env.world_size, device_type=env.device.type)
         train(cfg, env)
@@ -220,17 +234,21 @@ def train(cfg: Config, env: DistEnv) -> None:
         recorder.train(step, loss=global_mean(loss_sum), lr=lr, grad_norm=grad_norm, scaler=scaler)
         if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
             run_eval(step)
-        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+        stop = stop_requested()  # preemption: a SIGTERM/SIGUSR1 on any rank, learnt by every rank after this step
+        if stop or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
             save_checkpoint(
                 cfg, step, model=model, optimizers=[optimizer], scaler=scaler, steps_per_epoch=sampler.steps_per_epoch
             )
+        if stop:  # every rank saved this step: a resumed run repeats the uninterrupted one bit for bit
+            log(f"stopped by {stop} after step {step} of {steps}, with its checkpoint: --resume continues")
+            recorder.close()
+            return
 
     run_eval(steps)
     # [FSDP] A plain model.pt for inference without a process group: every rank helps gather, rank 0 writes.
     full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if env.is_main:
-        torch.save(full_state, os.path.join(cfg.out, "model.pt.tmp"))
-        os.replace(os.path.join(cfg.out, "model.pt.tmp"), os.path.join(cfg.out, "model.pt"))  # never half a file
+        save_model_file(full_state, cfg.out)  # torch.save to model.pt.tmp, then a rename: never half a file
     # [FSDP] The theory next to the measurement: the textbook's bytes per parameter, divided by the shards.
     theory = state_bytes_theory(n_params, shards=mesh["shard"].size(), optimizer=cfg.optimizer)
     mesh_shape = dict(zip(mesh.mesh_dim_names, mesh.shape))

@@ -27,7 +27,15 @@ from common.cli import parse_config
 from common.clipping import clip_grad_norm
 from common.config import Config
 from common.data import GlobalBatchSampler, describe_data, load_dataset, to_device_batch
-from common.distributed import DistEnv, RankLogger, run, seed_everything, setup_distributed, teardown_distributed
+from common.distributed import (
+    DistEnv,
+    RankLogger,
+    run,
+    seed_everything,
+    setup_distributed,
+    stop_requested,
+    teardown_distributed,
+)
 from common.model import build_model
 from common.pipeline import (
     build_schedule,
@@ -47,7 +55,9 @@ from common.training import LossScaler, autocast, build_optimizer, evaluate, lr_
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config("pippy", argv)
-    env = setup_distributed(device=cfg.device, timeout_s=cfg.timeout_s, threads=cfg.threads)
+    env = setup_distributed(
+        device=cfg.device, timeout_s=cfg.timeout_s, threads=cfg.threads, preempt_signal=cfg.preempt_signal
+    )
     try:
         cfg.check(world_size=env.world_size, device_type=env.device.type)
         train(cfg, env)
@@ -272,7 +282,8 @@ def train(cfg: Config, env: DistEnv) -> None:
         recorder.train(step, loss=loss_sum.item() / cfg.dp, lr=lr, grad_norm=grad_norm, scaler=scaler)
         if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
             run_eval(step)
-        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+        stop = stop_requested()  # preemption: a SIGTERM/SIGUSR1 on any rank, learnt by every rank after this step
+        if stop or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
             save_checkpoint(
                 cfg,
                 step,
@@ -281,6 +292,10 @@ def train(cfg: Config, env: DistEnv) -> None:
                 scaler=scaler,
                 steps_per_epoch=sampler.steps_per_epoch,
             )
+        if stop:  # every rank saved this step: a resumed run repeats the uninterrupted one bit for bit
+            log(f"stopped by {stop} after step {step} of {steps}, with its checkpoint: --resume continues")
+            recorder.close()
+            return
 
     run_eval(steps)
     stage_layers = [list(piece._modules) for piece in pieces]

@@ -11,6 +11,7 @@ states with weights_only=True: nothing is unpickled that could run code.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -30,12 +32,13 @@ from torch.distributed.checkpoint.state_dict import (
 
 from common.config import Config
 from common.distributed import collective_device
-from common.errors import UserError
+from common.errors import UserError, WriteError, os_error_in
 from common.runs import (
     check_resume,
     checkpoint_dir,
     complete_checkpoints,
     fingerprint,
+    latest_checkpoint_line,
     moved_line,
     recorded_config,
     set_aside,
@@ -70,7 +73,6 @@ def save_checkpoint(
     """Write the checkpoint of step `step` to cfg.out (all ranks call this) and, with --keep, delete older ones.
     Returns its path. meta.json records the config, so that a resume can refuse settings that change the curve,
     and fp16's loss scale (the same on every rank)."""
-    out_dir, keep = cfg.out, cfg.keep
     rank = dist.get_rank()
     # A non-finite weight would make this checkpoint the "latest" one that every resume chokes on.
     finite = torch.tensor(
@@ -84,36 +86,93 @@ def save_checkpoint(
             f"the weights are not finite after step {step}; no checkpoint written, the "
             f"last good one stays the latest; lower --lr or use --precision fp32"
         )
-    final = os.path.join(checkpoint_dir(out_dir), f"step_{step:07d}")
+    final = os.path.join(checkpoint_dir(cfg.out), f"step_{step:07d}")
     tmp = final + ".tmp"
     if rank == 0 and os.path.exists(tmp):
         shutil.rmtree(tmp)  # left by a save that crashed: incomplete by construction
     dist.barrier()
-    dcp.save(_state(model, optimizers), checkpoint_id=tmp)
-    torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
-    dist.barrier()  # every rank has written everything
-    if rank == 0:
-        meta = {
-            "step": step,
-            "world_size": dist.get_world_size(),
-            "strategy": cfg.strategy,
-            **recorded_config(cfg, steps_per_epoch),
-            **({"loss_scaler": scaler.state_dict()} if scaler.enabled else {}),
-            "files": {name: fingerprint(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))},
-        }
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        if os.path.exists(final):  # the same step saved before a restart: keep the committed one
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, final)  # the commit: atomic on POSIX file systems
-        if keep:
-            for _, old in complete_checkpoints(out_dir)[:-keep]:
-                shutil.rmtree(old)
-    dist.barrier()
+    problem = _written(lambda: _write_shards(tmp, model, optimizers))  # every rank: its DCP files and its RNG
+    if not _anyone_failed(problem) and rank == 0:  # all of it written: rank 0 commits
+        problem = _written(lambda: _commit(cfg, step, tmp, final, scaler=scaler, steps_per_epoch=steps_per_epoch))
+    if _anyone_failed(problem):
+        _give_up(problem, tmp, cfg.out)
     return final
+
+
+def _write_shards(tmp: str, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    dcp.save(_state(model, optimizers), checkpoint_id=tmp)  # raises on every rank if any rank's write failed
+    torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{dist.get_rank()}.pt"))
+
+
+def _commit(cfg: Config, step: int, tmp: str, final: str, *, scaler: LossScaler, steps_per_epoch: int) -> None:
+    """Rank 0, once every rank has written: meta.json, then the rename that makes the checkpoint visible."""
+    meta = {
+        "step": step,
+        "world_size": dist.get_world_size(),
+        "strategy": cfg.strategy,
+        **recorded_config(cfg, steps_per_epoch),
+        **({"loss_scaler": scaler.state_dict()} if scaler.enabled else {}),
+        "files": {name: fingerprint(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))},
+    }
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    if os.path.exists(final):  # the same step saved before a restart: keep the committed one
+        shutil.rmtree(tmp)
+    else:
+        os.replace(tmp, final)  # the commit: atomic on POSIX file systems
+    if cfg.keep:
+        for _, old in complete_checkpoints(cfg.out)[: -cfg.keep]:
+            shutil.rmtree(old)
+
+
+def _written(write: Callable[[], None]) -> str | None:
+    """None if `write` wrote its files, else what stopped it: a full disk, a file-size limit, a read-only folder."""
+    try:
+        write()
+    except (Exception, CheckpointException) as e:  # (DCP's is a BaseException)
+        error = os_error_in(e)
+        if error is None:
+            raise  # not a write error: a bug, with its traceback
+        return f"{error.filename}: {error.strerror}" if error.filename else str(error.strerror or error)
+    return None
+
+
+def _anyone_failed(problem: str | None) -> bool:
+    """Whether any rank could not write its part (one all-reduce: every rank learns it together)."""
+    failed = torch.tensor([problem is not None], dtype=torch.int32, device=collective_device())
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    return bool(failed.item())
+
+
+def _give_up(problem: str | None, tmp: str, out_dir: str) -> None:
+    """A checkpoint not written: the partial folder goes, and every rank raises WriteError (rank 0's message names
+    the file, the error and the checkpoint a resume goes on from; the others stay quiet)."""
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()  # the partial folder is gone before any rank reports
+    raise WriteError(
+        f"checkpoint {tmp} not written ({problem or 'another rank could not write its part'}), its partial files "
+        f"removed; {latest_checkpoint_line(out_dir)}: make room, then continue with --resume",
+        quiet=dist.get_rank() != 0,
+    )
+
+
+def save_model_file(state: dict, out_dir: str) -> str:
+    """model.pt (rank 0): a plain state dict for inference, written whole or not at all."""
+    path = os.path.join(out_dir, "model.pt")
+    try:
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)  # never half a file
+    except (OSError, RuntimeError) as e:  # torch.save's writer raises RuntimeError ("file write failed")
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        raise WriteError(
+            f"{path} not written ({e}); {latest_checkpoint_line(out_dir)}: make room; the checkpoints hold the "
+            f"trained weights too"
+        ) from None
+    return path
 
 
 class CheckpointError(UserError, RuntimeError):

@@ -36,6 +36,7 @@ LR_SCHEDULES = ("constant", "cosine", "linear")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
 STRATEGIES = ("ddp", "fsdp", "pippy", "tp")
 ALLREDUCES = ("builtin", "ring")
+PREEMPT_SIGNALS = ("USR1", "USR2")  # SIGTERM is always one; SIGINT (Ctrl-C) stops at once, without a checkpoint
 CHOICES = {  # flag -> (what it names, its values)
     "dataset": ("data set", DATASETS),
     "model_size": ("model size", MODEL_SIZES),
@@ -47,6 +48,7 @@ CHOICES = {  # flag -> (what it names, its values)
     "schedule": ("schedule", SCHEDULES),
     "lr_schedule": ("schedule", LR_SCHEDULES),
     "allreduce": ("all-reduce", ALLREDUCES),
+    "preempt_signal": ("signal", PREEMPT_SIGNALS),
 }
 # Counts that must be at least 1, and those where 0 means something of its own (said in the error)
 AT_LEAST_ONE = (
@@ -180,6 +182,9 @@ class Config:
     """CPU threads per process (0: the machine's cores divided by the local processes)."""
     timeout_s: int = 300
     """Process-group timeout in seconds: a rank stuck this long in a collective ends the job."""
+    preempt_signal: str = "USR1"
+    """The signal that, like SIGTERM, makes every rank finish its step, save a checkpoint and stop (SLURM's
+    --signal): USR1 or USR2."""
 
     strategy: str = dataclasses.field(default="ddp", metadata={"cli": False})
 

@@ -8,6 +8,7 @@ single code path.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -16,7 +17,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from common.errors import UserError, fail
+from common.errors import UserError, WriteError
 
 
 @dataclass
@@ -33,8 +34,13 @@ class DistEnv:
         return self.rank == 0
 
 
-def setup_distributed(*, device: str = "auto", timeout_s: int = 300, threads: int = 0) -> DistEnv:
-    """Join the process group torchrun prepared (or make a world of one) and pick this rank's device."""
+def setup_distributed(
+    *, device: str = "auto", timeout_s: int = 300, threads: int = 0, preempt_signal: str = "USR1"
+) -> DistEnv:
+    """Join the process group torchrun prepared (or make a world of one) and pick this rank's device. From here on
+    SIGTERM and SIGUSR1 (`preempt_signal`) ask for a checkpoint and a stop (`stop_requested`)."""
+    for sig in (signal.SIGTERM, signal.Signals[f"SIG{preempt_signal}"]):
+        signal.signal(sig, lambda signum, _: STOP.append(signum))  # only noted: the ranks act on it together
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -112,6 +118,22 @@ def collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
+STOP: list[int] = []  # the preemption signals this process received (setup_distributed's handler)
+
+
+class Progress:
+    step = 0  # the step being trained (the recorder sets it), for the one-line errors of `run`
+
+
+def stop_requested() -> str | None:
+    """Preemption: whether any rank received SIGTERM or --preempt-signal; the signal's name, or None. Every rank
+    calls this after every step: one all-reduce of a number, so all of them stop after the same step, with a
+    checkpoint of it, wherever the signal landed (one rank, some or all; docs/troubleshooting.md)."""
+    received = torch.tensor([STOP[0] if STOP else 0], device=collective_device())
+    dist.all_reduce(received, op=dist.ReduceOp.MAX)
+    return signal.Signals(int(received.item())).name if received.item() else None
+
+
 _LAST_MEETING: list[object] = []  # teardown_distributed's collective, kept until the process exits
 
 
@@ -150,16 +172,55 @@ class RankLogger:
 
 
 def run(main: Callable[[], None]) -> None:
-    """Run a script's `main`: a bad flag, missing data or an unusable checkpoint (the same on every rank: rank 0
-    says it) is one line and exit code 2; a non-finite loss one line naming the rank, exit 1; anything else is a
-    bug and keeps its traceback."""
+    """Run a script's `main`, and end the process with one line for what a user can act on: a bad flag, missing
+    data or an unusable checkpoint (the same on every rank: rank 0 says it) exits 2; a non-finite loss, a file that
+    could not be written, or memory run out exit 1, naming the rank; Ctrl-C (a SIGINT torchrun passes on) exits 130
+    quietly, the runner says where the run stands. Anything else is a bug and keeps its traceback."""
     rank = int(os.environ.get("RANK", 0))
     try:
         main()
     except UserError as e:
         if rank == 0:
-            fail(str(e))
-        raise SystemExit(2) from None
-    except FloatingPointError as e:
-        print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+            print(f"error: {e}", file=sys.stderr)
+        _exit(2)
+    except KeyboardInterrupt:
+        _exit(130)
+    except SystemExit:
+        raise
+    except BaseException as e:  # an Exception, or DCP's CheckpointException (a BaseException)
+        if STOP:  # told to stop, and a peer stopped first: its collective's error is expected
+            _exit(128 + STOP[0])
+        if isinstance(e, (FloatingPointError, WriteError)) or _out_of_memory(e):
+            if not getattr(e, "quiet", False):
+                line = _memory_line(e) if _out_of_memory(e) else f"error: {e}"
+                print(f"[rank {rank}] {line}", file=sys.stderr)
+            _exit(1)
+        raise
+    _exit(0)
+
+
+def _exit(code: int) -> None:
+    """Exit now, without the interpreter's shutdown: the run's files are written and closed, and gloo's threads
+    can still abort a process while Python shuts down (docs/troubleshooting.md, "Clean exits")."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    # CUDA's caching allocator raises torch.OutOfMemoryError; the CPU allocator a RuntimeError that says so
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(e)
+
+
+def _memory_line(e: BaseException) -> str:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        held = f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated on GPU {torch.cuda.current_device()}"
+    else:
+        import resource  # (peak resident memory: kilobytes on Linux)
+
+        held = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB resident at most"
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return (
+        f"out of memory at step {Progress.step} ({held}): {first} -- try a smaller --batch-size or --model-size, "
+        f"FSDP (bash run_fsdp.sh shards the model's state), or --activation-checkpointing with FSDP"
+    )

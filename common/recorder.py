@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 
 from common.config import Config
-from common.distributed import DistEnv, local_part
+from common.distributed import DistEnv, Progress, local_part
+from common.errors import WriteError
+from common.runs import latest_checkpoint_line
 from common.training import LossScaler, check_finite
 
 _OFF = contextlib.nullcontext()  # reusable: entering it does nothing
@@ -42,7 +44,8 @@ class RunRecorder:
         self.skipped_steps: list[int] = []  # fp16: this launch's steps whose gradients overflowed, on this rank
         self._file = self._scalars = None
         if logs:
-            self._file = _open_metrics(cfg.out, keep_up_to=start_step)
+            with writing(os.path.join(cfg.out, "metrics.jsonl"), cfg.out):
+                self._file = _open_metrics(cfg.out, keep_up_to=start_step)
             if cfg.tensorboard:
                 from common.tensorboard import ScalarWriter  # only with the flag: tensorboard is optional
 
@@ -78,6 +81,7 @@ class RunRecorder:
         as it is yielded."""
         for step in range(self.start_step + 1, self.total_steps + 1):
             self.step_started = time.perf_counter()
+            Progress.step = step  # (for the one-line report of an out-of-memory error)
             if self.profiler:
                 self.profiler.step_start(step)
             if self.peak:
@@ -202,10 +206,23 @@ class RunRecorder:
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._file:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+            with writing(self._file.name, self.cfg.out):
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()
         if self._scalars:
             self._scalars.write(record)
+
+
+@contextlib.contextmanager
+def writing(path: str, out_dir: str) -> Iterator[None]:
+    """A full disk (or a file-size limit, a folder gone read-only) while writing `path`: WriteError, one line."""
+    try:
+        yield
+    except OSError as e:
+        raise WriteError(
+            f"{path} not written ({e.strerror or e}); {latest_checkpoint_line(out_dir)}: make room, then "
+            f"continue with --resume"
+        ) from None
 
 
 def _open_metrics(out_dir: str, *, keep_up_to: int):
@@ -257,9 +274,10 @@ def measure_memory(
 def write_run_json(out_dir: str, **fields: Any) -> None:
     """Write run.json atomically (a reader never sees half a file)."""
     path = os.path.join(out_dir, "run.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(fields, f, indent=2)
-    os.replace(path + ".tmp", path)
+    with writing(path, out_dir):
+        with open(path + ".tmp", "w") as f:
+            json.dump(fields, f, indent=2)
+        os.replace(path + ".tmp", path)
 
 
 def _clock(seconds: float) -> str:

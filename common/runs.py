@@ -32,7 +32,7 @@ MAY_CHANGE = (
     *("compile", "profile_steps", "memory_snapshot", "tensorboard", "measure_peak"),
 )
 # Settings that are where and how this launch runs, not what it trains: they change silently.
-FREE = ("data_dir", "out", "resume", "device", "threads", "timeout_s")
+FREE = ("data_dir", "out", "resume", "device", "threads", "timeout_s", "preempt_signal")
 
 _COMPLETE = re.compile(r"^step_(\d{7})$")
 # What makes a folder a run's: set aside whole when a new run (no --resume) is started in it.
@@ -52,6 +52,14 @@ def complete_checkpoints(out_dir: str) -> list[tuple[int, str]]:
         if match and os.path.exists(os.path.join(root, name, "meta.json")):
             found.append((int(match.group(1)), os.path.join(root, name)))
     return sorted(found)
+
+
+def latest_checkpoint_line(out_dir: str) -> str:
+    """Where a run that stops now would go on from, in words: for the one-line reports of an interrupted run."""
+    found = complete_checkpoints(out_dir)
+    if not found:
+        return "no checkpoint was written (--checkpoint-every N writes one every N steps)"
+    return f"the latest checkpoint is {found[-1][1]} (step {found[-1][0]})"
 
 
 def fingerprint(file: str) -> dict[str, object]:

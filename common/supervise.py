@@ -1,0 +1,234 @@
+"""The runners' supervisor: starts torchrun, passes its output on, and says in one line how a run ended.
+
+`run_*.sh` end with `exec python -m common.supervise -- python -m torch.distributed.run ... train_X.py FLAGS`, so
+this process is the one a terminal, SLURM or Kubernetes signals, and it decides what each process gets, once:
+
+- Ctrl-C (SIGINT) or a closed terminal (SIGHUP): torchrun gets SIGINT and stops its workers at once; then one
+  line gives the step reached, the latest checkpoint and the command that continues; exit 130. A second Ctrl-C
+  kills what is left.
+- SIGTERM or --preempt-signal (USR1 by default), preemption: every worker gets it, the ranks agree to finish the
+  step they are in, save a checkpoint of it and stop (`stop_requested` in common/distributed.py); torchrun sees
+  them finish and exits 0; one line says so and how to continue; exit 128 + the signal's number.
+- A worker that said what went wrong in one line ("error: ...", "out of memory"): the tracebacks that follow
+  from the other ranks and torchrun's failure table only repeat it, and are held back; the worker's exit code.
+- A worker killed by SIGKILL, which neither this process nor torchrun sends unasked: on Linux most likely the
+  kernel's out-of-memory killer, and the line says so instead of torchrun's table; exit 137.
+- Anything else is passed on as it is, torchrun's report and tracebacks included: a real error is never hidden.
+
+torchrun runs in a session of its own, so a terminal's Ctrl-C reaches this process alone (not torchrun a second
+time); it ignores SIGUSR1/SIGUSR2, whose default action would kill it when SLURM signals every process of a job,
+and dies with this process (Linux). This module does not import torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import selectors
+import shlex
+import signal
+import subprocess
+import sys
+from typing import Sequence
+
+from common.cli import parse_config
+from common.config import PREEMPT_SIGNALS
+from common.runs import latest_checkpoint_line
+
+TORCHRUN_LOG = re.compile(rb"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ")  # torchrun's logger: "W1124 08:49:56.182 14855 ..."
+TORCHRUN_SIGNALED = re.compile(rb"Received Signals\.(SIG\w+) death signal")  # torchrun itself got a signal
+ONE_LINE_ERROR = re.compile(rb"^(\[rank \d+\] )?(error: |out of memory )")  # common/distributed.py's `run`
+ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+RUNNER_ENV = ("NPROC", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "MAX_RESTARTS")
+
+
+class Supervisor:
+    def __init__(self, cmd: list[str]) -> None:
+        script = next(i for i, arg in enumerate(cmd) if re.fullmatch(r"train_\w+\.py", os.path.basename(arg)))
+        self.strategy = os.path.basename(cmd[script])[len("train_") : -len(".py")]
+        self.flags = cmd[script + 1 :]
+        cfg = parse_config(self.strategy, self.flags)  # (the preflight has checked them)
+        self.out, self.preempt = cfg.out, (signal.SIGTERM, signal.Signals[f"SIG{cfg.preempt_signal}"])
+        self.cmd = cmd
+        self.proc: subprocess.Popen | None = None
+        self.interrupted: str | None = None  # Ctrl-C or SIGHUP
+        self.stopping: str | None = None  # a preemption signal, sent to us or to torchrun
+        self.explained = False  # a worker said what went wrong in one line
+        self.held: list[bytes] = []  # torchrun's own lines, passed on once the run goes on, or held back at the end
+        self.tail: list[bytes] | None = None  # torchrun's closing traceback, from its first line on
+        self.maybe_traceback: bytes | None = None
+
+    # ---------------------------------------------------------------- signals
+    def on_signal(self, signum: int, _frame: object) -> None:
+        name = signal.Signals(signum).name
+        if self.proc is None:
+            return
+        if signum in self.preempt:
+            if not self.stopping:
+                self.stopping = name
+                workers = children(self.proc.pid)
+                for pid in workers:  # each worker notes it; the ranks agree at the end of the step
+                    _kill(pid, signum)
+                if not workers:  # not started yet: nothing to save
+                    _kill(self.proc.pid, signal.SIGTERM)
+        elif not self.interrupted:
+            self.interrupted = name
+            _kill(self.proc.pid, signal.SIGINT)  # torchrun passes it to its workers: they stop at once
+        else:  # a second Ctrl-C: no more waiting
+            for pid in [self.proc.pid, *children(self.proc.pid)]:
+                _kill(pid, signal.SIGKILL)
+
+    # ---------------------------------------------------------------- output
+    def line(self, stream: int, line: bytes) -> None:
+        if self.interrupted:
+            return  # the workers' and torchrun's last words: what they say, the line at the end says better
+        if stream == 1:
+            self._flush_held()
+            _write(sys.stdout.buffer, line)
+            return
+        if self.tail is not None:
+            self.tail.append(line)
+            return
+        if self.maybe_traceback is not None:  # is it torchrun's closing traceback? (torchrun runs as -m: runpy)
+            first, self.maybe_traceback = self.maybe_traceback, None
+            if b"<frozen runpy>" in line or b"torch/distributed/" in line:
+                self.tail = [first, line]
+                return
+            self.line(2, first)
+        if line.startswith(b"Traceback (most recent call last)"):
+            self.maybe_traceback = line
+        elif m := TORCHRUN_SIGNALED.search(line):
+            self.stopping = self.stopping or m.group(1).decode()
+        elif TORCHRUN_LOG.match(line):
+            self.held.append(line)  # passed on before the next line of the workers: the run went on after it
+        elif self.explained or self.stopping:
+            self.held.append(line)  # the other ranks' tracebacks, consequences of the first one's error or stop
+        else:
+            self._flush_held()
+            self.explained = bool(ONE_LINE_ERROR.match(line))
+            _write(sys.stderr.buffer, line)
+
+    def _flush_held(self) -> None:
+        if self.held and not (self.explained or self.stopping):
+            for held in self.held:
+                _write(sys.stderr.buffer, held)
+            self.held.clear()
+
+    # ---------------------------------------------------------------- the run
+    def run(self) -> int:
+        for sig in {signal.SIGINT, signal.SIGHUP, *self.preempt}:
+            signal.signal(sig, self.on_signal)
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_torchrun_child
+        )
+        streams = {self.proc.stdout.fileno(): 1, self.proc.stderr.fileno(): 2}
+        partial = {fd: b"" for fd in streams}
+        with selectors.DefaultSelector() as selector:
+            for fd in streams:
+                selector.register(fd, selectors.EVENT_READ)
+            while selector.get_map():
+                for key, _ in selector.select():
+                    chunk = os.read(key.fd, 1 << 16)
+                    if not chunk:
+                        selector.unregister(key.fd)
+                        if partial[key.fd]:
+                            self.line(streams[key.fd], partial[key.fd] + b"\n")
+                        continue
+                    *lines, partial[key.fd] = (partial[key.fd] + chunk).split(b"\n")
+                    for line in lines:
+                        self.line(streams[key.fd], line + b"\n")
+        if self.maybe_traceback is not None:
+            self.line(2, b"")
+        return self.end(self.proc.wait())
+
+    def end(self, code: int) -> int:
+        """One line for how the run ended, and the exit code."""
+        tail = b"".join(self.tail or []).decode(errors="replace")
+        if self.interrupted:
+            print(f"interrupted ({self.interrupted}) {self.where()}; {self.continue_with()}", file=sys.stderr)
+            return 130
+        if self.stopping:
+            print(f"stopped by {self.stopping} {self.where()}; {self.continue_with()}", file=sys.stderr, flush=True)
+            return 128 + signal.Signals[self.stopping].value
+        if code != 0 and (cause := ROOT_CAUSE.search(tail)):
+            rank, worker_code = int(cause.group(1)), int(cause.group(2))
+            if self.explained:
+                return worker_code if worker_code > 0 else 1
+            if worker_code == -signal.SIGKILL:
+                print(
+                    f"error: rank {rank} was killed by SIGKILL {self.where()}: nobody here sent it; on Linux it is most"
+                    f" likely the kernel's out-of-memory killer (dmesg | grep -i oom). Try a smaller --batch-size or "
+                    f"--model-size, or FSDP; {self.continue_with()}",
+                    file=sys.stderr,
+                )
+                return 128 + signal.SIGKILL
+        for line in [*self.held, *(self.tail or [])]:  # a real failure: torchrun's report, as it wrote it
+            _write(sys.stderr.buffer, line)
+        return code
+
+    def where(self) -> str:
+        """"at step N (the latest checkpoint is ...)": from metrics.jsonl and the checkpoints."""
+        step = 0
+        try:
+            with open(os.path.join(self.out, "metrics.jsonl")) as f:
+                for line in f:
+                    record = json.loads(line) if line.strip() else {}
+                    step = record.get("step", step) if record.get("kind") == "train" else step
+        except (OSError, ValueError):
+            pass
+        return f"at step {step} ({latest_checkpoint_line(self.out)})"
+
+    def continue_with(self) -> str:
+        flags = [f for f in self.flags if f != "--resume"]
+        env = [f"{k}={shlex.quote(os.environ[k])}" for k in RUNNER_ENV if k in os.environ]
+        runner = shlex.join(["bash", f"run_{self.strategy}.sh", *flags, "--resume"])
+        return f"continue with: {' '.join([*env, runner])}"
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`: torchrun's workers (each in a session of its own)."""
+    if not os.path.isdir("/proc"):
+        found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in found.split()]
+    kids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue  # not a process, or gone meanwhile
+    return kids
+
+
+def _torchrun_child() -> None:
+    """In torchrun's process, before it starts: SIGUSR1/2 ignored (its workers set their own handler), and on Linux a
+    SIGTERM when this process dies, so that torchrun never outlives its supervisor."""
+    for name in PREEMPT_SIGNALS:
+        signal.signal(signal.Signals[f"SIG{name}"], signal.SIG_IGN)
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass  # gone already
+
+
+def _write(stream, line: bytes) -> None:
+    stream.write(line)
+    stream.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    raise SystemExit(Supervisor(argv[argv.index("--") + 1 :]).run())
+
+
+if __name__ == "__main__":
+    main()
