@@ -220,7 +220,8 @@ def _memory_line(e: BaseException) -> str:
 
         held = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB resident at most"
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    when = f"at step {Progress.step}" if Progress.step else "before the first step"
     return (
-        f"out of memory at step {Progress.step} ({held}): {first} -- try a smaller --batch-size or --model-size, "
+        f"out of memory {when} ({held}): {first} -- try a smaller --batch-size or --model-size, "
         f"FSDP (bash run_fsdp.sh shards the model's state), or --activation-checkpointing with FSDP"
     )

@@ -36,7 +36,7 @@ from common.cli import parse_config
 from common.config import PREEMPT_SIGNALS
 from common.runs import latest_checkpoint_line
 
-TORCHRUN_LOG = re.compile(rb"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ")  # torchrun's logger: "W1124 08:49:56.182 14855 ..."
+TORCHRUN_LOG = re.compile(rb"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ")  # torchrun's logger: "W1124 08:49:56.18 1485 ..."
 TORCHRUN_SIGNALED = re.compile(rb"Received Signals\.(SIG\w+) death signal")  # torchrun itself got a signal
 ONE_LINE_ERROR = re.compile(rb"^(\[rank \d+\] )?(error: |out of memory )")  # common/distributed.py's `run`
 ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)

@@ -1,0 +1,240 @@
+"""What happens to a run, through the runners as a user starts them: Ctrl-C, preemption (SIGTERM to the runner or
+to torchrun), a checkpoint that cannot be written, a worker killed by SIGKILL, memory run out. Each one ends in at
+most 3 lines besides the training's own, with its exit code, files intact, and a --resume that continues with
+every step once, on the uninterrupted run's curve bit for bit (same world size, same arithmetic)."""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import (
+    LAUNCH_TIMEOUT_S,
+    ROOT,
+    SMALL,
+    Run,
+    env_for_tests,
+    last_logged_step,
+    losses,
+    read_metrics,
+    rewind,
+    start_runner,
+    workers_writing_to,
+)
+
+# 40 steps, a checkpoint every 10; --lr 2e-3, where a 1-ulp difference would grow: only an exact resume matches
+FLAGS = [*SMALL, "--max-steps", "40", "--batch-size", "64", "--dropout", "0", "--lr", "2e-3"]
+FLAGS += ["--checkpoint-every", "10"]
+STRATEGIES = ("ddp", "fsdp", "pippy")
+POOLED = {s: Run(s, FLAGS, nproc=2) for s in STRATEGIES}  # the uninterrupted runs
+# what a run prints when nothing goes wrong: everything else counts against the 3 lines an interruption may add
+TRAINING = re.compile(r"^(DDP|FSDP|Pipeline|TP) \||^\w[\w-]*: \d+ train|^BabyCNN|^resum|^(step|eval) +\d+/")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(pool):
+    return pool / "interruptions"
+
+
+def start(strategy: str, flags: list[str], out: Path, **env: str) -> subprocess.Popen:
+    """The runner, in a process group of its own, as a terminal starts it (so the test can press Ctrl-C)."""
+    return subprocess.Popen(
+        ["bash", f"run_{strategy}.sh", *flags, "--out", str(out)],
+        cwd=ROOT,
+        env={**env_for_tests(), "NPROC": "2", **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def when_past(runner: subprocess.Popen, out: Path, step: int, act) -> tuple[int, str]:
+    """Call `act()` as soon as step `step` is logged; returns the runner's exit code and what it printed."""
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    try:
+        while last_logged_step(out) < step:
+            assert runner.poll() is None and time.monotonic() < deadline, runner.communicate()[0][-3000:]
+            time.sleep(0.02)
+        act()
+        printed = runner.communicate(timeout=LAUNCH_TIMEOUT_S)[0]
+        return runner.returncode, printed
+    finally:
+        runner.kill()
+
+
+def extra_lines(printed: str) -> list[str]:
+    return [line for line in printed.splitlines() if line.strip() and not TRAINING.match(line)]
+
+
+def continue_command(printed: str) -> str:
+    found = re.search(r"continue with: (.+)$", printed, re.M)
+    assert found, printed[-3000:]
+    return found.group(1)
+
+
+def run_shell(command: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", "-c", command], cwd=ROOT, env=env_for_tests(), capture_output=True, text=True, timeout=600
+    )
+
+
+def assert_continues_exactly(out: Path, reference: Path) -> None:
+    train, _ = read_metrics(out)  # (fails on a step logged twice)
+    assert sorted(train) == list(range(1, 41))
+    assert losses(out) == losses(reference)  # max |dloss| = 0
+
+
+def test_ctrl_c_then_two_preemptions_then_the_run_ends_on_the_uninterrupted_curve(uninterrupted, tmp_path):
+    """DDP: Ctrl-C (SIGINT to the runner's process group, as a terminal sends it) after step 13; the printed
+    command continues; SIGTERM to torchrun alone after step 17; continued; SIGTERM to the runner after step 25;
+    continued to the end. Every stop is one or two lines, no traceback; the curve is the uninterrupted one."""
+    out = tmp_path / "run"
+    runner = start("ddp", FLAGS, out)
+    code, printed = when_past(runner, out, 13, lambda: os.killpg(runner.pid, signal.SIGINT))
+    assert code == 130, printed[-3000:]
+    assert len(extra_lines(printed)) == 1 and "Traceback" not in printed, printed[-3000:]
+    assert re.search(r"interrupted \(SIGINT\) at step 1[3-9] \(the latest checkpoint is \S+step_0000010", printed)
+    assert continue_command(printed) == f"NPROC=2 bash run_ddp.sh {shlex.join(FLAGS)} --out {out} --resume"
+    assert not list((out / "checkpoints").glob("*.tmp"))
+
+    # SIGTERM to torchrun alone: it passes it to its workers, which save the step they finish and stop
+    code, printed = when_past(
+        start("ddp", [*FLAGS, "--resume"], out), out, 17, lambda: os.kill(torchrun_pid(out), signal.SIGTERM)
+    )
+    assert code == 143 and len(extra_lines(printed)) <= 3 and "Traceback" not in printed, printed[-3000:]
+    stopped = int(re.search(r"stopped by SIGTERM after step (\d+) of 40", printed).group(1))
+    assert 18 <= stopped <= 21 and (out / "checkpoints" / f"step_{stopped:07d}").is_dir(), printed[-3000:]
+
+    # SIGTERM to the runner at step 25 of 40: a step-25 or -26 checkpoint, and the run goes on from it
+    code, printed = when_past(start("ddp", [*FLAGS, "--resume"], out), out, 25, lambda: runner_signal(out))
+    assert code == 143 and len(extra_lines(printed)) <= 3 and "Traceback" not in printed, printed[-3000:]
+    assert re.search(r"stopped by SIGTERM after step 2[5-7] of 40", printed), printed[-3000:]
+    finished = run_shell(continue_command(printed))
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    assert_continues_exactly(out, uninterrupted / "ddp")
+
+
+def supervisor_pid(out: Path) -> int:
+    return next(pid for pid, argv in processes() if str(out) in argv and "common.supervise" in argv)
+
+
+def torchrun_pid(out: Path) -> int:
+    return next(pid for pid, argv in processes() if str(out) in argv and "torch.distributed.run" in argv[1:3])
+
+
+def runner_signal(out: Path, sig: int = signal.SIGTERM) -> None:
+    os.kill(supervisor_pid(out), sig)
+
+
+def processes():
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                yield int(pid), f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+
+
+@pytest.mark.parametrize("strategy", ("fsdp", "pippy"))
+def test_sigterm_to_the_runner_at_step_25_saves_and_the_resumed_run_is_bit_for_bit(uninterrupted, tmp_path, strategy):
+    out = tmp_path / "run"
+    code, printed = when_past(start(strategy, FLAGS, out), out, 25, lambda: runner_signal(out))
+    assert code == 143 and len(extra_lines(printed)) <= 3 and "Traceback" not in printed, printed[-3000:]
+    step = int(re.search(r"stopped by SIGTERM after step (2[5-7]) of 40", printed).group(1))
+    assert (out / "checkpoints" / f"step_{step:07d}").is_dir()
+    finished = run_shell(continue_command(printed))
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    assert_continues_exactly(out, uninterrupted / strategy)
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_line_and_resume_continues(uninterrupted, tmp_path):
+    """A real write error: the runner under a 1 MB file-size limit (the kernel answers EFBIG, "File too large",
+    as it answers ENOSPC on a full disk), resuming after step 10; the step-20 checkpoint (6 MB on rank 0)
+    cannot be written. Then, without the limit, --resume continues from step 10."""
+    out = rewind(uninterrupted / "ddp", tmp_path / "run", 10)
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+    runner = subprocess.Popen(
+        ["bash", "run_ddp.sh", *FLAGS, "--resume", "--out", str(out)],
+        cwd=ROOT,
+        env={**env_for_tests(), "NPROC": "2"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=limit_file_size,
+    )
+    printed = runner.communicate(timeout=LAUNCH_TIMEOUT_S)[0]
+    assert runner.returncode == 1, printed[-3000:]
+    assert extra_lines(printed) == [
+        f"[rank 0] error: checkpoint {out}/checkpoints/step_0000020.tmp not written (File too large), its partial "
+        f"files removed; the latest checkpoint is {out}/checkpoints/step_0000010 (step 10): make room, then "
+        f"continue with --resume"
+    ], printed[-3000:]
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_0000010"]
+    finished = run_shell(f"NPROC=2 bash run_ddp.sh {' '.join(FLAGS)} --resume --out {out}")
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    assert_continues_exactly(out, uninterrupted / "ddp")
+
+
+def test_a_worker_killed_by_sigkill_is_named_as_the_oom_killer_would_be(tmp_path):
+    out = tmp_path / "run"
+    runner = start_runner("ddp", [*FLAGS, "--checkpoint-every", "5"], out, NPROC="2")
+
+    def kill_rank_1() -> None:
+        os.kill(next(pid for pid, rank in workers_writing_to(out).items() if rank == 1), signal.SIGKILL)
+
+    code, printed = when_past(runner, out, 8, kill_rank_1)
+    assert code == 137, printed[-3000:]
+    (line,) = extra_lines(printed)
+    assert re.match(r"error: rank 1 was killed by SIGKILL at step \d+ \(the latest checkpoint is \S+step_0000005", line)
+    assert "out-of-memory killer" in line and "continue with: NPROC=2 bash run_ddp.sh" in line
+
+
+def test_memory_run_out_in_the_cpu_allocator_is_one_line(tmp_path):
+    """A real allocation failure: the medium model (155 M parameters) under a 1.5 GB data-segment limit."""
+
+    def limit_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_DATA, (1500 << 20, 1500 << 20))
+
+    runner = subprocess.Popen(
+        ["bash", "run_ddp.sh", *SMALL, "--model-size", "medium", "--max-steps", "2", "--out", str(tmp_path / "run")],
+        cwd=ROOT,
+        env={**env_for_tests(), "NPROC": "2"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=limit_memory,
+    )
+    printed = runner.communicate(timeout=LAUNCH_TIMEOUT_S)[0]
+    assert runner.returncode == 1, printed[-3000:]
+    (line,) = extra_lines(printed)
+    assert re.match(r"\[rank [01]\] out of memory before the first step \(\d+\.\d\d GiB resident at most\): ", line)
+    assert "DefaultCPUAllocator: can't allocate memory" in line and "--model-size" in line
+
+
+def test_cuda_out_of_memory_is_one_line_naming_the_rank_and_the_step():
+    """The error CUDA's allocator raises, raised inside a script's main as `run` runs it."""
+    code = (
+        "import torch\n"
+        "from common.distributed import Progress, run\n"
+        "def main():\n"
+        "    Progress.step = 7\n"
+        "    raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB.')\n"
+        "run(main)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env_for_tests(), capture_output=True, text=True)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.startswith("[rank 0] out of memory at step 7 (") and done.stderr.count("\n") == 1
+    assert "CUDA out of memory. Tried to allocate 2.00 GiB" in done.stderr
