@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from common.config import Config
 from common.distributed import collective_device
-from common.errors import UserError, WriteError, os_error_in
+from common.errors import UserError, WriteError, write_error_in
 from common.runs import (
     check_resume,
     checkpoint_dir,
@@ -91,9 +91,11 @@ def save_checkpoint(
     if rank == 0 and os.path.exists(tmp):
         shutil.rmtree(tmp)  # left by a save that crashed: incomplete by construction
     dist.barrier()
-    problem = _written(lambda: _write_shards(tmp, model, optimizers))  # every rank: its DCP files and its RNG
+    problem = _written(lambda: _write_shards(tmp, model, optimizers), cfg.out)  # every rank: its DCP files and its RNG
     if not _anyone_failed(problem) and rank == 0:  # all of it written: rank 0 commits
-        problem = _written(lambda: _commit(cfg, step, tmp, final, scaler=scaler, steps_per_epoch=steps_per_epoch))
+        problem = _written(
+            lambda: _commit(cfg, step, tmp, final, scaler=scaler, steps_per_epoch=steps_per_epoch), cfg.out
+        )
     if _anyone_failed(problem):
         _give_up(problem, tmp, cfg.out)
     return final
@@ -127,15 +129,17 @@ def _commit(cfg: Config, step: int, tmp: str, final: str, *, scaler: LossScaler,
             shutil.rmtree(old)
 
 
-def _written(write: Callable[[], None]) -> str | None:
+def _written(write: Callable[[], None], folder: str) -> str | None:
     """None if `write` wrote its files, else what stopped it: a full disk, a file-size limit, a read-only folder."""
     try:
         write()
     except (Exception, CheckpointException) as e:  # (DCP's is a BaseException)
-        error = os_error_in(e)
-        if error is None:
+        problem = write_error_in(e)
+        if problem is None:
             raise  # not a write error: a bug, with its traceback
-        return f"{error.filename}: {error.strerror}" if error.filename else str(error.strerror or error)
+        with contextlib.suppress(OSError):
+            problem += f"; {shutil.disk_usage(folder).free / 2**20:.0f} MiB free there"
+        return problem
     return None
 
 

@@ -23,7 +23,17 @@ class WriteError(Exception):
         self.quiet = quiet
 
 
-def os_error_in(e: BaseException) -> OSError | None:
-    """The OSError behind `e`: itself, its cause, or (DCP's CheckpointException) any rank's failure."""
+# torch.save's zip writer (also under DCP) reports a failed write as a RuntimeError of its own
+WRITER_FAILED = ("PytorchStreamWriter failed", "file write failed", "inline_container.cc")
+
+
+def write_error_in(e: BaseException) -> str | None:
+    """What failed to be written, if `e` is a write error (itself, its cause, or, in DCP's CheckpointException,
+    any rank's failure): an OSError ("file: No space left on device"), or torch.save's writer failing."""
     found = [e, e.__cause__, e.__context__, *(failure[0] for failure in getattr(e, "failures", {}).values())]
-    return next((x for x in found if isinstance(x, OSError)), None)
+    for x in found:
+        if isinstance(x, OSError):
+            return f"{x.filename}: {x.strerror}" if x.filename else str(x.strerror or x)
+        if isinstance(x, RuntimeError) and any(marker in str(x) for marker in WRITER_FAILED):
+            return f"the file writer failed: {str(x).strip().splitlines()[0]}"
+    return None

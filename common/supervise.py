@@ -30,6 +30,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from typing import Sequence
 
 from common.cli import parse_config
@@ -37,9 +38,10 @@ from common.config import PREEMPT_SIGNALS
 from common.runs import latest_checkpoint_line
 
 TORCHRUN_LOG = re.compile(rb"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ")  # torchrun's logger: "W1124 08:49:56.18 1485 ..."
-TORCHRUN_SIGNALED = re.compile(rb"Received Signals\.(SIG\w+) death signal")  # torchrun itself got a signal
+TORCHRUN_SIGNALED = re.compile(rb"Received (?:Signals\.)?(\w+) death signal")  # torchrun itself got a signal
 ONE_LINE_ERROR = re.compile(rb"^(\[rank \d+\] )?(error: |out of memory )")  # common/distributed.py's `run`
 ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+HOLD_S = 3.0
 RUNNER_ENV = ("NPROC", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "MAX_RESTARTS")
 
 
@@ -55,7 +57,10 @@ class Supervisor:
         self.interrupted: str | None = None  # Ctrl-C or SIGHUP
         self.stopping: str | None = None  # a preemption signal, sent to us or to torchrun
         self.explained = False  # a worker said what went wrong in one line
-        self.held: list[bytes] = []  # torchrun's own lines, passed on once the run goes on, or held back at the end
+        # stderr: passed on once the run goes on or after HOLD_S quiet seconds; at the end held back if it only
+        # follows from an error already said in one line, a stop, or a SIGKILL (a peer's "Connection reset")
+        self.held: list[bytes] = []
+        self.held_since = 0.0
         self.tail: list[bytes] | None = None  # torchrun's closing traceback, from its first line on
         self.maybe_traceback: bytes | None = None
 
@@ -95,25 +100,26 @@ class Supervisor:
             if b"<frozen runpy>" in line or b"torch/distributed/" in line:
                 self.tail = [first, line]
                 return
-            self.line(2, first)
+            self.held.append(first)  # a worker's
+            self.held_since = self.held_since or time.monotonic()
         if line.startswith(b"Traceback (most recent call last)"):
             self.maybe_traceback = line
         elif m := TORCHRUN_SIGNALED.search(line):
-            self.stopping = self.stopping or m.group(1).decode()
-        elif TORCHRUN_LOG.match(line):
-            self.held.append(line)  # passed on before the next line of the workers: the run went on after it
-        elif self.explained or self.stopping:
-            self.held.append(line)  # the other ranks' tracebacks, consequences of the first one's error or stop
-        else:
-            self._flush_held()
-            self.explained = bool(ONE_LINE_ERROR.match(line))
+            got = m.group(1).decode()  # "15" or "SIGTERM", as the Python version formats it
+            self.stopping = self.stopping or (signal.Signals(int(got)).name if got.isdigit() else got)
+        elif ONE_LINE_ERROR.match(line) and not (self.explained or self.stopping):
+            self.explained = True  # what follows on stderr repeats it: held back
             _write(sys.stderr.buffer, line)
+        else:  # held until the workers go on, or a few quiet seconds pass: see `run`
+            self.held.append(line)
+            self.held_since = self.held_since or time.monotonic()
 
     def _flush_held(self) -> None:
         if self.held and not (self.explained or self.stopping):
             for held in self.held:
                 _write(sys.stderr.buffer, held)
             self.held.clear()
+        self.held_since = 0.0
 
     # ---------------------------------------------------------------- the run
     def run(self) -> int:
@@ -128,7 +134,7 @@ class Supervisor:
             for fd in streams:
                 selector.register(fd, selectors.EVENT_READ)
             while selector.get_map():
-                for key, _ in selector.select():
+                for key, _ in selector.select(timeout=0.5):
                     chunk = os.read(key.fd, 1 << 16)
                     if not chunk:
                         selector.unregister(key.fd)
@@ -138,6 +144,8 @@ class Supervisor:
                     *lines, partial[key.fd] = (partial[key.fd] + chunk).split(b"\n")
                     for line in lines:
                         self.line(streams[key.fd], line + b"\n")
+                if self.held_since and time.monotonic() - self.held_since > HOLD_S:
+                    self._flush_held()  # the run is quiet: nothing more to decide by
         if self.maybe_traceback is not None:
             self.line(2, b"")
         return self.end(self.proc.wait())
@@ -168,7 +176,7 @@ class Supervisor:
         return code
 
     def where(self) -> str:
-        """"at step N (the latest checkpoint is ...)": from metrics.jsonl and the checkpoints."""
+        """ "at step N (the latest checkpoint is ...)": from metrics.jsonl and the checkpoints."""
         step = 0
         try:
             with open(os.path.join(self.out, "metrics.jsonl")) as f:

@@ -37,7 +37,7 @@ FLAGS += ["--checkpoint-every", "10"]
 STRATEGIES = ("ddp", "fsdp", "pippy")
 POOLED = {s: Run(s, FLAGS, nproc=2) for s in STRATEGIES}  # the uninterrupted runs
 # what a run prints when nothing goes wrong: everything else counts against the 3 lines an interruption may add
-TRAINING = re.compile(r"^(DDP|FSDP|Pipeline|TP) \||^\w[\w-]*: \d+ train|^BabyCNN|^resum|^(step|eval) +\d+/")
+TRAINING = re.compile(r"^(DDP|FSDP|pipeline|TP) \||^\w[\w-]*: \d+ train|^BabyCNN|^  stage \d|^resum|^(step|eval) +\d+/")
 
 
 @pytest.fixture(scope="module")
@@ -177,11 +177,14 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_resume_continues(un
     )
     printed = runner.communicate(timeout=LAUNCH_TIMEOUT_S)[0]
     assert runner.returncode == 1, printed[-3000:]
-    assert extra_lines(printed) == [
-        f"[rank 0] error: checkpoint {out}/checkpoints/step_0000020.tmp not written (File too large), its partial "
-        f"files removed; the latest checkpoint is {out}/checkpoints/step_0000010 (step 10): make room, then "
-        f"continue with --resume"
-    ], printed[-3000:]
+    (line,) = extra_lines(printed)
+    # torch.save's writer (under DCP) reports the kernel's EFBIG as a failed write of its own
+    assert re.fullmatch(
+        rf"\[rank 0\] error: checkpoint {out}/checkpoints/step_0000020.tmp not written \(.*(File too large|file "
+        rf"writer failed).*; \d+ MiB free there\), its partial files removed; the latest checkpoint is "
+        rf"{out}/checkpoints/step_0000010 \(step 10\): make room, then continue with --resume",
+        line,
+    ), printed[-3000:]
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_0000010"]
     finished = run_shell(f"NPROC=2 bash run_ddp.sh {' '.join(FLAGS)} --resume --out {out}")
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
