@@ -115,6 +115,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(moved_line(cfg.out, moved))
     except (ConfigError, DataMissingError) as e:
         fail(str(e))
+    except KeyboardInterrupt:  # Ctrl-C before any worker started (a data set downloading, say)
+        print("interrupted before training started; nothing was written to --out", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -206,9 +206,17 @@ class RunRecorder:
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._file:
-            with writing(self._file.name, self.cfg.out):
-                self._file.write(json.dumps(record) + "\n")
-                self._file.flush()
+            complete = os.fstat(self._file.fileno()).st_size  # every record so far, flushed whole
+            try:
+                with writing(self._file.name, self.cfg.out):
+                    self._file.write(json.dumps(record) + "\n")
+                    self._file.flush()
+            except WriteError:
+                with contextlib.suppress(OSError):
+                    os.truncate(self._file.name, complete)  # no half record for a resume to trip on
+                # kept, never closed: its buffer holds the record that did not fit, and closing would write it
+                self._abandoned, self._file = self._file, None
+                raise
         if self._scalars:
             self._scalars.write(record)
 

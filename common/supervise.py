@@ -39,6 +39,7 @@ from common.runs import latest_checkpoint_line
 
 TORCHRUN_LOG = re.compile(rb"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ")  # torchrun's logger: "W1124 08:49:56.18 1485 ..."
 TORCHRUN_SIGNALED = re.compile(rb"Received (?:Signals\.)?(\w+) death signal")  # torchrun itself got a signal
+WORKERS_STOPPED = re.compile(rb"^stopped by SIG\w+ after step \d+")  # the ranks saved and stopped (the scripts)
 ONE_LINE_ERROR = re.compile(rb"^(\[rank \d+\] )?(error: |out of memory )")  # common/distributed.py's `run`
 ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
 HOLD_S = 3.0
@@ -57,6 +58,7 @@ class Supervisor:
         self.interrupted: str | None = None  # Ctrl-C or SIGHUP
         self.stopping: str | None = None  # a preemption signal, sent to us or to torchrun
         self.explained = False  # a worker said what went wrong in one line
+        self.saved = False  # the workers stopped on a preemption signal, with a checkpoint
         # stderr: passed on once the run goes on or after HOLD_S quiet seconds; at the end held back if it only
         # follows from an error already said in one line, a stop, or a SIGKILL (a peer's "Connection reset")
         self.held: list[bytes] = []
@@ -89,6 +91,7 @@ class Supervisor:
         if self.interrupted:
             return  # the workers' and torchrun's last words: what they say, the line at the end says better
         if stream == 1:
+            self.saved = self.saved or bool(WORKERS_STOPPED.match(line))
             self._flush_held()
             _write(sys.stdout.buffer, line)
             return
@@ -156,7 +159,7 @@ class Supervisor:
         if self.interrupted:
             print(f"interrupted ({self.interrupted}) {self.where()}; {self.continue_with()}", file=sys.stderr)
             return 130
-        if self.stopping:
+        if self.stopping and (self.saved or code != 0):  # (a signal during the final evaluation lets the run end)
             print(f"stopped by {self.stopping} {self.where()}; {self.continue_with()}", file=sys.stderr, flush=True)
             return 128 + signal.Signals[self.stopping].value
         if code != 0 and (cause := ROOT_CAUSE.search(tail)):

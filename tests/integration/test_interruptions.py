@@ -27,7 +27,6 @@ from tests.helpers import (
     losses,
     read_metrics,
     rewind,
-    start_runner,
     workers_writing_to,
 )
 
@@ -45,16 +44,23 @@ def uninterrupted(pool):
     return pool / "interruptions"
 
 
-def start(strategy: str, flags: list[str], out: Path, **env: str) -> subprocess.Popen:
-    """The runner, in a process group of its own, as a terminal starts it (so the test can press Ctrl-C)."""
+def start(strategy: str, flags: list[str], out: Path, *, limit: tuple[int, int] | None = None) -> subprocess.Popen:
+    """The runner on 2 processes, in a process group of its own, as a terminal starts it (so the test can press
+    Ctrl-C); with `limit` (resource, bytes) under that limit, which its children inherit."""
+
+    def set_limit() -> None:
+        if limit:
+            resource.setrlimit(limit[0], (limit[1], limit[1]))
+
     return subprocess.Popen(
         ["bash", f"run_{strategy}.sh", *flags, "--out", str(out)],
         cwd=ROOT,
-        env={**env_for_tests(), "NPROC": "2", **env},
+        env={**env_for_tests(), "NPROC": "2"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        preexec_fn=set_limit,
     )
 
 
@@ -162,19 +168,7 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_resume_continues(un
     as it answers ENOSPC on a full disk), resuming after step 10; the step-20 checkpoint (6 MB on rank 0)
     cannot be written. Then, without the limit, --resume continues from step 10."""
     out = rewind(uninterrupted / "ddp", tmp_path / "run", 10)
-
-    def limit_file_size() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-
-    runner = subprocess.Popen(
-        ["bash", "run_ddp.sh", *FLAGS, "--resume", "--out", str(out)],
-        cwd=ROOT,
-        env={**env_for_tests(), "NPROC": "2"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        preexec_fn=limit_file_size,
-    )
+    runner = start("ddp", [*FLAGS, "--resume"], out, limit=(resource.RLIMIT_FSIZE, 1 << 20))
     printed = runner.communicate(timeout=LAUNCH_TIMEOUT_S)[0]
     assert runner.returncode == 1, printed[-3000:]
     (line,) = extra_lines(printed)
@@ -193,7 +187,7 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_resume_continues(un
 
 def test_a_worker_killed_by_sigkill_is_named_as_the_oom_killer_would_be(tmp_path):
     out = tmp_path / "run"
-    runner = start_runner("ddp", [*FLAGS, "--checkpoint-every", "5"], out, NPROC="2")
+    runner = start("ddp", [*FLAGS, "--checkpoint-every", "5"], out)
 
     def kill_rank_1() -> None:
         os.kill(next(pid for pid, rank in workers_writing_to(out).items() if rank == 1), signal.SIGKILL)
@@ -207,19 +201,8 @@ def test_a_worker_killed_by_sigkill_is_named_as_the_oom_killer_would_be(tmp_path
 
 def test_memory_run_out_in_the_cpu_allocator_is_one_line(tmp_path):
     """A real allocation failure: the medium model (155 M parameters) under a 1.5 GB data-segment limit."""
-
-    def limit_memory() -> None:
-        resource.setrlimit(resource.RLIMIT_DATA, (1500 << 20, 1500 << 20))
-
-    runner = subprocess.Popen(
-        ["bash", "run_ddp.sh", *SMALL, "--model-size", "medium", "--max-steps", "2", "--out", str(tmp_path / "run")],
-        cwd=ROOT,
-        env={**env_for_tests(), "NPROC": "2"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        preexec_fn=limit_memory,
-    )
+    flags = [*SMALL, "--model-size", "medium", "--max-steps", "2"]
+    runner = start("ddp", flags, tmp_path / "run", limit=(resource.RLIMIT_DATA, 1500 << 20))
     printed = runner.communicate(timeout=LAUNCH_TIMEOUT_S)[0]
     assert runner.returncode == 1, printed[-3000:]
     (line,) = extra_lines(printed)
@@ -241,3 +224,20 @@ def test_cuda_out_of_memory_is_one_line_naming_the_rank_and_the_step():
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.startswith("[rank 0] out of memory at step 7 (") and done.stderr.count("\n") == 1
     assert "CUDA out of memory. Tried to allocate 2.00 GiB" in done.stderr
+
+
+def test_metrics_that_cannot_be_written_are_one_line_and_every_line_kept_is_whole(tmp_path):
+    """metrics.jsonl under a 4 KB file-size limit: it fills up after ~15 records."""
+    out = tmp_path / "run"
+    flags = [*FLAGS, "--checkpoint-every", "0"]
+    runner = start("ddp", flags, out, limit=(resource.RLIMIT_FSIZE, 4096))
+    printed = runner.communicate(timeout=LAUNCH_TIMEOUT_S)[0]
+    assert runner.returncode == 1, printed[-3000:]
+    (line,) = extra_lines(printed)
+    assert line == (
+        f"[rank 0] error: {out}/metrics.jsonl not written (File too large); no checkpoint was written "
+        f"(--checkpoint-every N writes one every N steps): make room, then continue with --resume"
+    )
+    train, _ = read_metrics(out)  # every line a whole record
+    assert sorted(train) == list(range(1, len(train) + 1)) and 5 < len(train) < 40
+    assert (out / "metrics.jsonl").stat().st_size <= 4096

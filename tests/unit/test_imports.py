@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ("train_ddp.py", "train_fsdp.py", "train_pippy.py", "train_tp.py")
-LAUNCHER_ONLY = {"common.preflight", "common.memory"}  # the runners' checks before torchrun: no worker needs them
+LAUNCHER_ONLY = {"common.preflight", "common.memory", "common.supervise"}  # the runners' side: no worker needs them
 # Lines of common/ behind train_ddp.py (nanoGPT's train.py needs ~380, the FSDP2 example ~370): 1,500 when the
 # library was cut down from 2,102; since then fp16's loss scaling, in every script's loop, added ~90 (the scaler,
 # the unscale inside the clip, the scale in records and checkpoints, the flags and their checks) and the traffic

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import common.digits
 from common.cli import parse_config
-from common.distributed import setup_distributed, teardown_distributed
+from common.distributed import run, setup_distributed, teardown_distributed
 from tests.helpers import rewind
 from tests.integration.workers.ring_check import check_ring
 from tests.integration.workers.seeding import check_seeding
@@ -62,4 +62,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)  # (a finished process ends without the interpreter's shutdown, as the scripts do)
