@@ -4,6 +4,7 @@
     python -m bench.essentials clip-call                                 # the clipping call alone, 1 process
     python -m bench.essentials compile --procs 1 --strategies ddp,fsdp   # --compile vs eager
     python -m bench.essentials compile --procs 4 --strategies pippy
+    python -m bench.essentials stop-check --procs 2                      # the per-step preemption check alone
 
 Each launch runs the real `train_<strategy>.train` for each configuration, one after another, in one set of
 processes (`worker`, below); the figures are medians of `step_time_s` from metrics.jsonl after the first
@@ -131,11 +132,37 @@ def compile_(args) -> None:
         )
 
 
+def stop_check_worker(calls: int) -> None:
+    from common.distributed import setup_distributed, stop_requested, teardown_distributed
+
+    env = setup_distributed(timeout_s=300)
+    try:
+        for _ in range(20):  # warm-up: the first collectives set up gloo's pairs
+            stop_requested()
+        start = time.perf_counter()
+        for _ in range(calls):
+            stop_requested()
+        if env.is_main:
+            per_call = (time.perf_counter() - start) / calls
+            print(f"stop_requested(): {per_call * 1e6:.0f} us per call on {env.world_size} processes ({calls} calls)")
+    finally:
+        teardown_distributed()
+
+
+def stop_check(args) -> None:
+    """What the preemption check after every step costs: one all-reduce of one number, read on the host."""
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.procs)]
+    cmd = [sys.executable, *torchrun, "-m", "bench.essentials", "stop-check-worker", str(args.calls)]
+    subprocess.run(cmd, cwd=ROOT, check=True)
+
+
 def main() -> None:
     if sys.argv[1:2] == ["worker"]:
         return worker(sys.argv[2])
+    if sys.argv[1:2] == ["stop-check-worker"]:
+        return stop_check_worker(int(sys.argv[2]))
     parser = argparse.ArgumentParser(prog="python -m bench.essentials", description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["clip", "clip-call", "compile"])
+    parser.add_argument("what", choices=["clip", "clip-call", "compile", "stop-check"])
     parser.add_argument("--procs", type=int, default=4)
     parser.add_argument("--strategies", default="ddp,fsdp,pippy")
     parser.add_argument("--steps", type=int, default=60)
@@ -143,7 +170,7 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=5, help="first steps left out of the medians")
     parser.add_argument("--calls", type=int, default=200)
     args = parser.parse_args()
-    {"clip": clip, "clip-call": clip_call, "compile": compile_}[args.what](args)
+    {"clip": clip, "clip-call": clip_call, "compile": compile_, "stop-check": stop_check}[args.what](args)
 
 
 if __name__ == "__main__":
