@@ -241,3 +241,20 @@ def test_metrics_that_cannot_be_written_are_one_line_and_every_line_kept_is_whol
     train, _ = read_metrics(out)  # every line a whole record
     assert sorted(train) == list(range(1, len(train) + 1)) and 5 < len(train) < 40
     assert (out / "metrics.jsonl").stat().st_size <= 4096
+
+
+def test_sigusr1_to_every_process_as_slurm_sends_it_saves_and_stops(tmp_path):
+    """SLURM's --signal=USR1@90 reaches every process of the job: the runner, torchrun (which must survive it: its
+    default action would kill it) and the workers (each notes it once)."""
+    out = tmp_path / "run"
+    runner = start("ddp", FLAGS, out)
+
+    def signal_every_process() -> None:
+        for pid, argv in processes():
+            if str(out) in argv:
+                os.kill(pid, signal.SIGUSR1)
+
+    code, printed = when_past(runner, out, 5, signal_every_process)
+    assert code == 128 + signal.SIGUSR1 and len(extra_lines(printed)) <= 3, printed[-3000:]
+    step = int(re.search(r"stopped by SIGUSR1 after step (\d+) of 40", printed).group(1))
+    assert 5 < step < 10 and (out / "checkpoints" / f"step_{step:07d}").is_dir() and "Traceback" not in printed
