@@ -37,10 +37,9 @@ class DistEnv:
 def setup_distributed(
     *, device: str = "auto", timeout_s: int = 300, threads: int = 0, preempt_signal: str = "USR1"
 ) -> DistEnv:
-    """Join the process group torchrun prepared (or make a world of one) and pick this rank's device. From here on
-    SIGTERM and SIGUSR1 (`preempt_signal`) ask for a checkpoint and a stop (`stop_requested`)."""
-    for sig in (signal.SIGTERM, signal.Signals[f"SIG{preempt_signal}"]):
-        signal.signal(sig, lambda signum, _: STOP.append(signum))  # only noted: the ranks act on it together
+    """Join the process group torchrun prepared (or make a world of one) and pick this rank's device. Once joined,
+    SIGTERM and SIGUSR1 (`preempt_signal`) ask for a checkpoint and a stop (`stop_requested`); until then SIGTERM
+    ends the process at once, as torchrun expects when it stops a group that is still starting."""
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -90,6 +89,8 @@ def setup_distributed(
         dist.init_process_group(backend, timeout=timeout, device_id=device_id)
     else:  # plain `python train_x.py`: a world of one, no port needed
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    for sig in (signal.SIGTERM, signal.Signals[f"SIG{preempt_signal}"]):
+        signal.signal(sig, lambda signum, _: STOP.append(signum))  # only noted: the ranks act on it together
     return DistEnv(rank, local_rank, world_size, local_world_size, dev, backend)
 
 
@@ -188,7 +189,7 @@ def run(main: Callable[[], None]) -> None:
     except SystemExit:
         raise
     except BaseException as e:  # an Exception, or DCP's CheckpointException (a BaseException)
-        if STOP:  # told to stop, and a peer stopped first: its collective's error is expected
+        if STOP and _peer_gone(e):  # told to stop, and a peer stopped first: its collective's error is expected
             _exit(128 + STOP[0])
         if isinstance(e, (FloatingPointError, WriteError)) or _out_of_memory(e):
             if not getattr(e, "quiet", False):
@@ -205,6 +206,11 @@ def _exit(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _peer_gone(e: BaseException) -> bool:
+    # gloo reports a peer that closed its connection as a RuntimeError naming gloo; NCCL as a DistError
+    return isinstance(e, dist.DistError) or any(word in str(e) for word in ("gloo", "NCCL", "Connection"))
 
 
 def _out_of_memory(e: BaseException) -> bool:

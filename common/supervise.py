@@ -8,7 +8,8 @@ this process is the one a terminal, SLURM or Kubernetes signals, and it decides 
   kills what is left.
 - SIGTERM or --preempt-signal (USR1 by default), preemption: every worker gets it, the ranks agree to finish the
   step they are in, save a checkpoint of it and stop (`stop_requested` in common/distributed.py); torchrun sees
-  them finish and exits 0; one line says so and how to continue; exit 128 + the signal's number.
+  them finish and exits 0; one line says so and how to continue; exit 128 + the signal's number. (Workers still
+  starting, which have not set their handlers yet, have nothing to save: torchrun gets SIGTERM and stops them.)
 - A worker that said what went wrong in one line ("error: ...", "out of memory"): the tracebacks that follow
   from the other ranks and torchrun's failure table only repeat it, and are held back; the worker's exit code.
 - A worker killed by SIGKILL, which neither this process nor torchrun sends unasked: on Linux most likely the
@@ -59,6 +60,7 @@ class Supervisor:
         self.stopping: str | None = None  # a preemption signal, sent to us or to torchrun
         self.explained = False  # a worker said what went wrong in one line
         self.saved = False  # the workers stopped on a preemption signal, with a checkpoint
+        self.started = False  # the workers have printed: their signal handlers are set (setup_distributed)
         # stderr: passed on once the run goes on or after HOLD_S quiet seconds; at the end held back if it only
         # follows from an error already said in one line, a stop, or a SIGKILL (a peer's "Connection reset")
         self.held: list[bytes] = []
@@ -74,10 +76,10 @@ class Supervisor:
         if signum in self.preempt:
             if not self.stopping:
                 self.stopping = name
-                workers = children(self.proc.pid)
+                workers = children(self.proc.pid) if self.started else []
                 for pid in workers:  # each worker notes it; the ranks agree at the end of the step
                     _kill(pid, signum)
-                if not workers:  # not started yet: nothing to save
+                if not workers:  # still starting, their handlers not yet set: nothing to save, torchrun stops them
                     _kill(self.proc.pid, signal.SIGTERM)
         elif not self.interrupted:
             self.interrupted = name
@@ -91,6 +93,7 @@ class Supervisor:
         if self.interrupted:
             return  # the workers' and torchrun's last words: what they say, the line at the end says better
         if stream == 1:
+            self.started = True
             self.saved = self.saved or bool(WORKERS_STOPPED.match(line))
             self._flush_held()
             _write(sys.stdout.buffer, line)
@@ -203,10 +206,10 @@ def children(pid: int) -> list[int]:
         found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
         return [int(p) for p in found.split()]
     kids = []
-    for entry in os.listdir("/proc"):
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+            with open(f"/proc/{entry}/stat") as f:  # "pid (name) state ppid ...": the name may hold spaces
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
                     kids.append(int(entry))
         except (OSError, ValueError, IndexError):
             continue  # not a process, or gone meanwhile
