@@ -151,8 +151,7 @@ def _anyone_failed(problem: str | None) -> bool:
 
 
 def _give_up(problem: str | None, tmp: str, out_dir: str) -> None:
-    """A checkpoint not written: the partial folder goes, and every rank raises WriteError (rank 0's message names
-    the file, the error and the checkpoint a resume goes on from; the others stay quiet)."""
+    """A checkpoint not written: the partial folder goes, and every rank raises WriteError (rank 0's says it)."""
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()  # the partial folder is gone before any rank reports
