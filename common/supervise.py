@@ -43,6 +43,7 @@ TORCHRUN_SIGNALED = re.compile(rb"Received (?:Signals\.)?(\w+) death signal")  #
 WORKERS_STOPPED = re.compile(rb"^stopped by SIG\w+ after step \d+")  # the ranks saved and stopped (the scripts)
 ONE_LINE_ERROR = re.compile(rb"^(\[rank \d+\] )?(error: |out of memory )")  # common/distributed.py's `run`
 ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+FAILURE = re.compile(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)  # each worker in torchrun's table
 HOLD_S = 3.0
 RUNNER_ENV = ("NPROC", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "MAX_RESTARTS")
 
@@ -166,10 +167,14 @@ class Supervisor:
             print(f"stopped by {self.stopping} {self.where()}; {self.continue_with()}", file=sys.stderr, flush=True)
             return 128 + signal.Signals[self.stopping].value
         if code != 0 and (cause := ROOT_CAUSE.search(tail)):
-            rank, worker_code = int(cause.group(1)), int(cause.group(2))
+            worker_code = int(cause.group(2))
             if self.explained:
                 return worker_code if worker_code > 0 else 1
-            if worker_code == -signal.SIGKILL:
+            # torchrun's "root cause" is the earliest failure to the second: a peer's collective error, seen in the
+            # same poll as the SIGKILL that caused it, can take its place. Any SIGKILL in the table is the cause.
+            killed = [int(rank) for rank, exit_code in FAILURE.findall(tail) if int(exit_code) == -signal.SIGKILL]
+            if killed:
+                rank = killed[0]
                 print(
                     f"error: rank {rank} was killed by SIGKILL {self.where()}: nobody here sent it; on Linux it is most"
                     f" likely the kernel's out-of-memory killer (dmesg | grep -i oom). Try a smaller --batch-size or "

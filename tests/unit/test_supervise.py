@@ -59,3 +59,23 @@ def test_a_sigkill_is_named_in_one_line(tmp_path):
 def test_a_run_that_ends_well_passes_everything_on(tmp_path):
     done = supervise(tmp_path, "done: test accuracy 99.00%\n", "a warning\n", 0)
     assert (done.returncode, done.stdout, done.stderr) == (0, "done: test accuracy 99.00%\n", "a warning\n")
+
+
+def test_a_sigkill_seen_beside_its_peer_s_error_is_still_named(tmp_path):
+    """torchrun's "root cause" is the earliest failure to the second: rank 0's "Connection reset" (exit 1), seen in the
+    same poll as rank 1's SIGKILL, can take its place. The SIGKILL anywhere in the table is the cause."""
+    report = """Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+Failures:
+[1]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 3)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 2)
+"""
+    done = supervise(tmp_path, "", WORKER_TRACEBACK + report, 1)
+    assert done.returncode == 137 and done.stderr.startswith("error: rank 1 was killed by SIGKILL"), done.stderr
