@@ -8,6 +8,7 @@ single code path.
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import sys
 from dataclasses import dataclass
@@ -175,8 +176,8 @@ class RankLogger:
 def run(main: Callable[[], None]) -> None:
     """Run a script's `main`, and end the process with one line for what a user can act on: a bad flag, missing
     data or an unusable checkpoint (the same on every rank: rank 0 says it) exits 2; a non-finite loss, a file that
-    could not be written, or memory run out exit 1, naming the rank; Ctrl-C (a SIGINT torchrun passes on) exits 130
-    quietly, the runner says where the run stands. Anything else is a bug and keeps its traceback."""
+    could not be written, or memory run out exit 1, naming the rank; Ctrl-C exits 130. Anything else is a bug and
+    keeps its traceback."""
     rank = int(os.environ.get("RANK", 0))
     try:
         main()
@@ -184,7 +185,10 @@ def run(main: Callable[[], None]) -> None:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         _exit(2)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # (under the runners, the runner's own line replaces this one)
+        if rank == 0:
+            when = f"during step {Progress.step}" if Progress.step else "before the first step"
+            print(f"interrupted {when}; --resume continues from the latest checkpoint", file=sys.stderr)
         _exit(130)
     except SystemExit:
         raise
@@ -222,9 +226,7 @@ def _memory_line(e: BaseException) -> str:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         held = f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated on GPU {torch.cuda.current_device()}"
     else:
-        import resource  # (peak resident memory: kilobytes on Linux)
-
-        held = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB resident at most"
+        held = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB resident at most"  # (KiB, Linux)
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     when = f"at step {Progress.step}" if Progress.step else "before the first step"
     return (

@@ -15,8 +15,7 @@ def fail(message: str) -> NoReturn:
 
 
 class WriteError(Exception):
-    """A file of the run could not be written: a full disk, a file-size limit, a folder gone read-only. The message
-    names the file, the error and the latest intact checkpoint; `quiet` where another rank says it."""
+    """A file of the run not written: a full disk, a size limit, a read-only folder (`quiet`: another rank says it)."""
 
     def __init__(self, message: str, *, quiet: bool = False) -> None:
         super().__init__(message)
@@ -28,8 +27,7 @@ WRITER_FAILED = ("PytorchStreamWriter failed", "file write failed", "inline_cont
 
 
 def write_error_in(e: BaseException) -> str | None:
-    """What failed to be written, if `e` is a write error (itself, its cause, or, in DCP's CheckpointException,
-    any rank's failure): an OSError ("file: No space left on device"), or torch.save's writer failing."""
+    """What was not written, if `e`, its cause or a rank's failure in DCP's CheckpointException is a write error."""
     found = [e, e.__cause__, e.__context__, *(failure[0] for failure in getattr(e, "failures", {}).values())]
     for x in found:
         if isinstance(x, OSError):

@@ -258,3 +258,20 @@ def test_sigusr1_to_every_process_as_slurm_sends_it_saves_and_stops(tmp_path):
     assert code == 128 + signal.SIGUSR1 and len(extra_lines(printed)) <= 3, printed[-3000:]
     step = int(re.search(r"stopped by SIGUSR1 after step (\d+) of 40", printed).group(1))
     assert 5 < step < 10 and (out / "checkpoints" / f"step_{step:07d}").is_dir() and "Traceback" not in printed
+
+
+def test_ctrl_c_on_a_script_run_without_the_runner_is_one_line(tmp_path):
+    """`python train_ddp.py` (what run_all.sh does for its reference): rank 0 says where it was, exit 130."""
+    out = tmp_path / "run"
+    script = subprocess.Popen(
+        [sys.executable, "train_ddp.py", *FLAGS, "--max-steps", "400", "--epochs", "20", "--out", str(out)],
+        cwd=ROOT,
+        env=env_for_tests(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    code, printed = when_past(script, out, 5, lambda: script.send_signal(signal.SIGINT))
+    assert code == 130 and "Traceback" not in printed, printed[-3000:]
+    (line,) = extra_lines(printed)
+    assert re.fullmatch(r"interrupted during step \d+; --resume continues from the latest checkpoint", line)
