@@ -282,7 +282,8 @@ def train(cfg: Config, env: DistEnv) -> None:
         recorder.train(step, loss=loss_sum.item() / cfg.dp, lr=lr, grad_norm=grad_norm, scaler=scaler)
         if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
             run_eval(step)
-        stop = stop_requested()  # preemption: a SIGTERM/SIGUSR1 on any rank, learnt by every rank after this step
+        # preemption: SIGTERM/SIGUSR1 on any rank, learnt by all ranks here (after the last step the run just ends)
+        stop = stop_requested() if step < steps else None
         if stop or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
             save_checkpoint(
                 cfg,
