@@ -1,5 +1,6 @@
 """What happens to a run, through the runners as a user starts them: Ctrl-C, preemption (SIGTERM to the runner or
-to torchrun), a checkpoint that cannot be written, a worker killed by SIGKILL, memory run out. Each one ends in at
+to torchrun), a checkpoint that cannot be written, memory run out (a worker killed by SIGKILL, which is how the
+kernel's out-of-memory killer ends one, is test_fsdp.py's killed-during-a-save run). Each one ends in at
 most 3 lines besides the training's own, with its exit code, files intact, and a --resume that continues with
 every step once, on the uninterrupted run's curve bit for bit (same world size, same arithmetic)."""
 
@@ -27,7 +28,6 @@ from tests.helpers import (
     losses,
     read_metrics,
     rewind,
-    workers_writing_to,
 )
 
 # 40 steps, a checkpoint every 10; --lr 2e-3, where a 1-ulp difference would grow: only an exact resume matches
@@ -183,20 +183,6 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_resume_continues(un
     finished = run_shell(f"NPROC=2 bash run_ddp.sh {' '.join(FLAGS)} --resume --out {out}")
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     assert_continues_exactly(out, uninterrupted / "ddp")
-
-
-def test_a_worker_killed_by_sigkill_is_named_as_the_oom_killer_would_be(tmp_path):
-    out = tmp_path / "run"
-    runner = start("ddp", [*FLAGS, "--checkpoint-every", "5"], out)
-
-    def kill_rank_1() -> None:
-        os.kill(next(pid for pid, rank in workers_writing_to(out).items() if rank == 1), signal.SIGKILL)
-
-    code, printed = when_past(runner, out, 8, kill_rank_1)
-    assert code == 137, printed[-3000:]
-    (line,) = extra_lines(printed)
-    assert re.match(r"error: rank 1 was killed by SIGKILL at step \d+ \(the latest checkpoint is \S+step_0000005", line)
-    assert "out-of-memory killer" in line and "continue with: NPROC=2 bash run_ddp.sh" in line
 
 
 def test_memory_run_out_in_the_cpu_allocator_is_one_line(tmp_path):
