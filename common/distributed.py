@@ -195,9 +195,9 @@ def run(main: Callable[[], None]) -> None:
     except BaseException as e:  # an Exception, or DCP's CheckpointException (a BaseException)
         if STOP and _peer_gone(e):  # told to stop, and a peer stopped first: its collective's error is expected
             _exit(128 + STOP[0])
-        if isinstance(e, (FloatingPointError, WriteError)) or _out_of_memory(e):
+        if (out_of_memory := _out_of_memory(e)) or isinstance(e, (FloatingPointError, WriteError)):
             if not getattr(e, "quiet", False):
-                line = _memory_line(e) if _out_of_memory(e) else f"error: {e}"
+                line = _memory_line(e) if out_of_memory else f"error: {e}"
                 print(f"[rank {rank}] {line}", file=sys.stderr)
             _exit(1)
         raise

@@ -14,7 +14,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH_TIMEOUT_S = 240
@@ -157,18 +157,26 @@ def run_many(
 
 
 # ------------------------------------------------------------------------------------ killing a worker
-def workers_writing_to(out: Path) -> dict[int, int]:
-    """{pid: rank} of the training workers (not the torchrun agent) whose --out is `out`."""
-    workers = {}
+def processes() -> Iterator[tuple[int, list[str]]]:
+    """(pid, argv) of every process on this machine that is still there when read."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().decode(errors="replace").split("\0")
-            if str(out) not in argv or "torch.distributed.run" in argv or not any(a.startswith("train_") for a in argv):
-                continue
+                yield int(pid), f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue  # exited meanwhile
+
+
+def workers_writing_to(out: Path) -> dict[int, int]:
+    """{pid: rank} of the training workers (not the torchrun agent) whose --out is `out`."""
+    workers = {}
+    for pid, argv in processes():
+        if str(out) not in argv or "torch.distributed.run" in argv or not any(a.startswith("train_") for a in argv):
+            continue
+        try:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 environ = dict(v.split("=", 1) for v in f.read().decode(errors="replace").split("\0") if "=" in v)
-            workers[int(pid)] = int(environ.get("RANK", 0))
+            workers[pid] = int(environ.get("RANK", 0))
         except (OSError, ValueError):
             continue  # exited meanwhile
     return workers
@@ -181,7 +189,17 @@ def last_logged_step(out: Path) -> int:
         return 0
 
 
-def start_runner(strategy: str, flags: list[str], out: Path, **env: str) -> subprocess.Popen:
+def start_runner(
+    strategy: str,
+    flags: list[str],
+    out: Path,
+    *,
+    new_session: bool = False,
+    preexec_fn: Callable[[], None] | None = None,
+    **env: str,
+) -> subprocess.Popen:
+    """bash run_<strategy>.sh, its output in one pipe; with `new_session`, in a process group of its own, as a
+    terminal starts it (to press Ctrl-C); `preexec_fn` runs in it before bash (a resource limit, say)."""
     return subprocess.Popen(
         ["bash", f"run_{strategy}.sh", *flags, "--out", str(out)],
         cwd=ROOT,
@@ -189,6 +207,8 @@ def start_runner(strategy: str, flags: list[str], out: Path, **env: str) -> subp
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=new_session,
+        preexec_fn=preexec_fn,
     )
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from common.preflight import latest_meta
+from common.supervise import children
 from tests.helpers import (
     ROOT,
     SMALL,
@@ -61,17 +62,9 @@ def reference(pool):
 def descendants(pid: int) -> list[int]:
     """pid's children, grandchildren, ... (torchrun starts its workers in sessions of their own, so killing
     the agent's process group would leave them running as orphans)."""
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(parent, []).append(int(entry))
     found, todo = [], [pid]
     while todo:
-        for child in children.get(todo.pop(), []):
+        for child in children(todo.pop()):  # (the runners' supervisor finds torchrun's workers the same way)
             found.append(child)
             todo.append(child)
     return found

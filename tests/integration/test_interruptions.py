@@ -26,8 +26,10 @@ from tests.helpers import (
     env_for_tests,
     last_logged_step,
     losses,
+    processes,
     read_metrics,
     rewind,
+    start_runner,
 )
 
 # 40 steps, a checkpoint every 10; --lr 2e-3, where a 1-ulp difference would grow: only an exact resume matches
@@ -52,16 +54,7 @@ def start(strategy: str, flags: list[str], out: Path, *, limit: tuple[int, int] 
         if limit:
             resource.setrlimit(limit[0], (limit[1], limit[1]))
 
-    return subprocess.Popen(
-        ["bash", f"run_{strategy}.sh", *flags, "--out", str(out)],
-        cwd=ROOT,
-        env={**env_for_tests(), "NPROC": "2"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        preexec_fn=set_limit,
-    )
+    return start_runner(strategy, flags, out, new_session=True, preexec_fn=set_limit, NPROC="2")
 
 
 def when_past(runner: subprocess.Popen, out: Path, step: int, act) -> tuple[int, str]:
@@ -140,15 +133,6 @@ def torchrun_pid(out: Path) -> int:
 
 def runner_signal(out: Path, sig: int = signal.SIGTERM) -> None:
     os.kill(supervisor_pid(out), sig)
-
-
-def processes():
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                yield int(pid), f.read().decode(errors="replace").split("\0")
-        except OSError:
-            continue
 
 
 @pytest.mark.parametrize("strategy", ("fsdp", "pippy"))
