@@ -195,47 +195,30 @@ class Config:
 
         def need(ok: bool, flag: str, problem: str) -> None:
             if not ok:
-                raise ConfigError(f"--{flag}: {problem}")
+                raise ConfigError(f"--{flag.replace('_', '-')}: {problem}")
 
         for name, (what, choices) in CHOICES.items():
             value = getattr(self, name)
-            need(
-                value in choices,
-                name.replace("_", "-"),
-                f"unknown {what} {value!r}; choose one of {', '.join(choices)}",
-            )
+            need(value in choices, name, f"unknown {what} {value!r}; choose one of {', '.join(choices)}")
         for name in AT_LEAST_ONE:
-            need(getattr(self, name) >= 1, name.replace("_", "-"), f"must be at least 1, got {getattr(self, name)}")
+            need(getattr(self, name) >= 1, name, f"must be at least 1, got {getattr(self, name)}")
         for name, zero in ZERO_MEANS.items():
             value = getattr(self, name)
-            need(value >= 0, name.replace("_", "-"), f"must be 0 ({zero}) or positive, got {value}")
-        need(
-            self.lr > 0 and self.lr == self.lr and self.lr != float("inf"),
-            "lr",
-            f"must be a positive number, got {self.lr}",
-        )
+            need(value >= 0, name, f"must be 0 ({zero}) or positive, got {value}")
+        need(0 < self.lr < float("inf"), "lr", f"must be a positive number, got {self.lr}")  # (nan is not)
         need(0 <= self.weight_decay < float("inf"), "weight-decay", f"must be 0 or positive, got {self.weight_decay}")
         need(0 <= self.min_lr <= self.lr, "min-lr", f"must be in [0, --lr {self.lr}], got {self.min_lr}")
-        need(
-            0 <= self.max_grad_norm < float("inf"),
-            "max-grad-norm",
-            f"must be 0 (off) or positive, got {self.max_grad_norm}",
-        )
+        norm = self.max_grad_norm
+        need(0 <= norm < float("inf"), "max-grad-norm", f"must be 0 (off) or positive, got {norm}")
         self.check_loss_scale()
         need(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), got {self.dropout}")
         self.check_observability(on_cpu=(device_type or self.device) == "cpu")
         # the built-in data set's size is a flag, so this is known before any worker starts (for the
         # torchvision ones the sampler says the same once the data is loaded)
-        need(
-            self.dataset != "digits" or self.batch_size <= self.train_size,
-            "batch-size",
-            batch_larger_than_data(self.batch_size, self.train_size),
-        )
-        need(
-            self.batch_size % self.grad_accum_steps == 0,
-            "grad-accum-steps",
-            f"{self.grad_accum_steps} does not divide --batch-size {self.batch_size}",
-        )
+        too_big = self.dataset == "digits" and self.batch_size > self.train_size
+        need(not too_big, "batch-size", batch_larger_than_data(self.batch_size, self.train_size))
+        problem = f"{self.grad_accum_steps} does not divide --batch-size {self.batch_size}"
+        need(self.batch_size % self.grad_accum_steps == 0, "grad-accum-steps", problem)
         if world_size is not None:
             self.check_world_size(world_size)
         return self

@@ -67,7 +67,7 @@ def setup_distributed(
 
     keep_freed_memory()
 
-    timeout = timedelta(seconds=timeout_s)
+    timeout, Progress.timeout_s = timedelta(seconds=timeout_s), timeout_s
     device_id = dev if use_cuda else None
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's agent (torch 2.14.1) hosts the store at MASTER_ADDR:MASTER_PORT and keeps the
@@ -125,6 +125,7 @@ STOP: list[int] = []  # the preemption signals this process received (setup_dist
 
 class Progress:
     step = 0  # the step being trained (the recorder sets it), for the one-line errors of `run`
+    timeout_s = 0  # --timeout-s, for the line of a collective that waited longer
 
 
 def stop_requested() -> str | None:
@@ -176,8 +177,8 @@ class RankLogger:
 def run(main: Callable[[], None]) -> None:
     """Run a script's `main`, and end the process with one line for what a user can act on: a bad flag, missing
     data or an unusable checkpoint (the same on every rank: rank 0 says it) exits 2; a non-finite loss, a file that
-    could not be written, or memory run out exit 1, naming the rank; Ctrl-C exits 130. Anything else is a bug and
-    keeps its traceback."""
+    could not be written, memory run out or a collective that waited past --timeout-s exit 1, naming the rank;
+    Ctrl-C exits 130. Anything else is a bug and keeps its traceback."""
     rank = int(os.environ.get("RANK", 0))
     try:
         main()
@@ -195,9 +196,10 @@ def run(main: Callable[[], None]) -> None:
     except BaseException as e:  # an Exception, or DCP's CheckpointException (a BaseException)
         if STOP and _peer_gone(e):  # told to stop, and a peer stopped first: its collective's error is expected
             _exit(128 + STOP[0])
-        if (out_of_memory := _out_of_memory(e)) or isinstance(e, (FloatingPointError, WriteError)):
+        timed_out = isinstance(e, RuntimeError) and "Timed out waiting" in str(e)  # gloo's (NCCL's watchdog aborts)
+        if (out_of_memory := _out_of_memory(e)) or isinstance(e, (FloatingPointError, WriteError)) or timed_out:
             if not getattr(e, "quiet", False):
-                line = _memory_line(e) if out_of_memory else f"error: {e}"
+                line = _memory_line(e) if out_of_memory else _timeout_line() if timed_out else f"error: {e}"
                 print(f"[rank {rank}] {line}", file=sys.stderr)
             _exit(1)
         raise
@@ -222,14 +224,24 @@ def _out_of_memory(e: BaseException) -> bool:
     return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(e)
 
 
+def _when() -> str:
+    return f"at step {Progress.step}" if Progress.step else "before the first step"
+
+
+def _timeout_line() -> str:
+    return (
+        f"error: a collective waited longer than --timeout-s {Progress.timeout_s} {_when()}: another rank stopped, "
+        f"hung or died; raise --timeout-s if a step can take that long, then continue with --resume"
+    )
+
+
 def _memory_line(e: BaseException) -> str:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         held = f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated on GPU {torch.cuda.current_device()}"
     else:
         held = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB resident at most"  # (KiB, Linux)
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    when = f"at step {Progress.step}" if Progress.step else "before the first step"
     return (
-        f"out of memory {when} ({held}): {first} -- try a smaller --batch-size or --model-size, "
+        f"out of memory {_when()} ({held}): {first} -- try a smaller --batch-size or --model-size, "
         f"FSDP (bash run_fsdp.sh shards the model's state), or --activation-checkpointing with FSDP"
     )
