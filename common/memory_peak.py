@@ -8,12 +8,18 @@ every storage that FSDP grows or frees in place (UntypedStorage.resize_). A stor
 freed (a weak reference on it). torch's own trackers (torch.distributed._tools: MemTracker, FSDPMemTracker) do
 the same and more, but refuse a module that runs twice in a step (micro-batches, accumulation) and cost half
 a second to import.
+
+On glibc the C allocator is asked too (`mallinfo2`: the bytes malloc has handed out and not taken back, whoever
+asked, torch's kernels' own workspaces included), after every operator of the step: the same peak as the
+allocator saw it, a measurement independent of the counting above (run.json "allocator_peak_bytes").
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import weakref
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -22,11 +28,29 @@ from torch.utils._pytree import tree_map_only
 from common.distributed import local_part
 
 
+class _MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2 (malloc.h), glibc 2.33 and later
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+    ]
+
+
+def allocator_in_use() -> Callable[[], int] | None:
+    """A function that returns the bytes the C allocator has handed out (in its arenas and in mmapped blocks), or
+    None where glibc's mallinfo2 is not available (macOS, musl, an older glibc)."""
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+    return lambda: (lambda m: m.uordblks + m.hblkhd)(mallinfo2())
+
+
 class PeakBytes(TorchDispatchMode):
     """`with PeakBytes(state):` counts the bytes of the live tensors, `peak` the most at once. `state`: the tensors
     alive before (their storages are counted once each, however many views share them)."""
 
-    def __init__(self, state: Iterable[torch.Tensor]) -> None:
+    def __init__(self, state: Iterable[torch.Tensor], *, allocator: Callable[[], int] | None = None) -> None:
         super().__init__()
         self.sizes: dict[int, int] = {}  # storage -> bytes
         self.live = 0
@@ -34,6 +58,8 @@ class PeakBytes(TorchDispatchMode):
             self._add(tensor)
         self.peak = self.live
         self._resize: Any = None
+        # `allocator`: the C allocator's bytes in use, asked after every operator; its growth over the start
+        self.allocator, self.allocator_start, self.allocator_peak = allocator, 0, 0
 
     def _add(self, tensor: torch.Tensor) -> None:
         storage = local_part(tensor).untyped_storage()
@@ -53,10 +79,23 @@ class PeakBytes(TorchDispatchMode):
             weakref.finalize(storage, self._drop, key)
         self.live += storage.nbytes() - self.sizes[key]
         self.sizes[key] = storage.nbytes()
+        self._new_peak()
+
+    def _new_peak(self) -> None:
         self.peak = max(self.peak, self.live)
+        if self.allocator:
+            self.allocator_peak = max(self.allocator_peak, self.allocator() - self.allocator_start)
+
+    @property
+    def allocator_peak_bytes(self) -> int | None:
+        """The peak as the C allocator saw it: the state counted at the start plus the most the allocator's bytes
+        in use grew over their level then."""
+        return self.peak_start + self.allocator_peak if self.allocator else None
 
     def __enter__(self) -> PeakBytes:
-        self.peak = self.live
+        self.peak = self.peak_start = self.live
+        if self.allocator:
+            self.allocator_start = self.allocator()
         resize, tracker = torch.UntypedStorage.resize_, self
 
         def resize_(storage: torch.UntypedStorage, size: int) -> Any:  # how FSDP frees and regrows its buffers
@@ -76,7 +115,7 @@ class PeakBytes(TorchDispatchMode):
             return NotImplemented  # let DTensor turn into local ops, which come back here
         out = func(*args, **(kwargs or {}))
         tree_map_only(torch.Tensor, self._add, out)
-        self.peak = max(self.peak, self.live)
+        self._new_peak()
         return out
 
 
@@ -96,6 +135,7 @@ class PeakOfStep:
         self.step, self.recorder = step, recorder
         self.tracker: PeakBytes | None = None
         self.bytes: int | None = None  # None: the launch ended before it (a launch of one step)
+        self.allocator_bytes: int | None = None  # the same peak as glibc's allocator saw it
 
     def starts(self, step: int) -> None:
         if step == self.step and self.tracker:
@@ -103,13 +143,17 @@ class PeakOfStep:
 
     def ends(self, step: int) -> None:
         if step == self.step - 1:
-            self.tracker = PeakBytes(state_tensors(self.recorder.params, self.recorder.optimizer))
+            gc.collect()  # nothing unreachable is freed during the step: the allocator's count is the step's own
+            state = state_tensors(self.recorder.params, self.recorder.optimizer)
+            self.tracker = PeakBytes(state, allocator=allocator_in_use())
         elif step == self.step and self.tracker:
             self.tracker.__exit__(None, None, None)
-            self.bytes = self.tracker.peak
+            self.bytes, self.allocator_bytes = self.tracker.peak, self.tracker.allocator_peak_bytes
 
     def describe(self) -> dict[str, Any]:
         return {
             "step": self.step,
-            "what": "the most tensor bytes the rank held during the step (common/memory_peak.py)",
+            "what": "the most tensor bytes the rank held during the step (common/memory_peak.py); "
+            "allocator_peak_bytes: the same peak from the C allocator's bytes in use (glibc's mallinfo2) after each "
+            "operator",
         }

@@ -158,7 +158,8 @@ class RunRecorder:
             mine["param_bytes_of"] = {name: _bytes(part) for name, part in self.parts.items()}
         per_rank: list[Any] = [None] * dist.get_world_size()
         mine["skipped_steps"] = self.skipped_steps  # fp16: this rank's own decisions (the same on every rank)
-        dist.all_gather_object(per_rank, {**mine, **({"peak_bytes": self.peak.bytes} if self.peak else {})})
+        peak = {"peak_bytes": self.peak.bytes, "allocator_peak_bytes": self.peak.allocator_bytes} if self.peak else {}
+        dist.all_gather_object(per_rank, {**mine, **peak})
         skipped = [r.pop("skipped_steps") for r in per_rank]
         sections["traffic"] = {"per_rank": [r.pop("traffic") for r in per_rank], "definition": TRAFFIC_DEFINITION}
         if self.cfg.precision == "fp16":
