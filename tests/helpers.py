@@ -107,8 +107,67 @@ def max_abs_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
 
 
+def grad_norms(out: Path) -> list[float]:
+    train, _ = read_metrics(out)
+    return [train[s]["grad_norm"] for s in sorted(train)]
+
+
+def assert_follows(
+    out: Path, ref: Path, *, loss: float, grad_norm: float | None = None, steps: range | None = None
+) -> None:
+    """The run in `out` follows the reference run `ref` step by step (`steps`: those compared, all by default):
+    |Δloss| <= `loss` and, with `grad_norm`, |Δgrad_norm| / grad_norm <= `grad_norm` at each of them. The
+    gradient norm sees what AdamW's loss hides (a gradient off by a constant factor moves AdamW's step little).
+    The reference's loss must move by far more than the tolerance over its run, or the check could not fail. With
+    PARITY_REPORT set to a file, each comparison's measured differences are appended to it (how the tolerances were
+    chosen)."""
+    run_losses, ref_losses = losses(out), losses(ref)
+    steps = steps or range(1, len(run_losses) + 1)
+    assert len(run_losses) >= steps[-1] and len(ref_losses) >= steps[-1], (len(run_losses), len(ref_losses))
+    pick = lambda values: [values[s - 1] for s in steps]  # noqa: E731
+    measured = {"loss": max_abs_diff(pick(run_losses), pick(ref_losses))}
+    assert max(ref_losses) - min(ref_losses) > 100 * loss, f"{ref}: the reference barely moves"
+    if grad_norm is not None:
+        norms = zip(pick(grad_norms(out)), pick(grad_norms(ref)))
+        measured["grad_norm"] = max(abs(a - b) / b for a, b in norms)
+    if report := os.environ.get("PARITY_REPORT"):
+        with open(report, "a") as f:
+            test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+            f.write(json.dumps({"test": test, "out": out.name, "ref": ref.name, "measured": measured}) + "\n")
+    assert measured["loss"] <= loss, f"{out.name}: |Δloss| {measured['loss']:.2e} > {loss:.0e} against {ref.name}"
+    if grad_norm is not None:
+        assert measured["grad_norm"] <= grad_norm, (
+            f"{out.name}: relative |Δgrad_norm| {measured['grad_norm']:.2e} > {grad_norm:.0e} against {ref.name}"
+        )
+
+
 def read_run(out: Path) -> dict:
     return json.loads((out / "run.json").read_text())
+
+
+def printed(out: Path) -> str:
+    """What a run of a shared launch printed, every rank's lines (tests/integration/workers/runs.py)."""
+    return Path(f"{out}.log").read_text()
+
+
+def observed(out: Path) -> list[dict]:
+    """Each rank's probes of an observed run of a shared launch (tests/integration/workers/observe.py)."""
+    files = sorted(Path(f"{out}.observed").glob("rank*.json"), key=lambda f: int(f.stem[len("rank") :]))
+    return [json.loads(f.read_text()) for f in files]
+
+
+def assert_resumed(out: Path, step: int, output: str, *, source: Path | None = None) -> None:
+    """The run in `out` resumed from its checkpoint of step `step` instead of starting over: `output` (what it
+    printed) has the resume's line, no previous run was set aside to `<out>.1`, and, with `source` (the run whose
+    folder it continued), the records of steps 1..step are that run's, unchanged, timing fields included."""
+    line = f"resumed from {out}/checkpoints/step_{step:07d} (step {step})"
+    assert line in output, f"no {line!r} in:\n{output[-3000:]}"
+    assert not Path(f"{out}.1").exists(), f"{out} was set aside as a new run, not resumed"
+    if source is not None:
+        (train, evals), (before, before_evals) = read_metrics(out), read_metrics(source)
+        assert [train[s] for s in range(1, step + 1)] == [before[s] for s in range(1, step + 1)]
+        assert [e for e in evals if e["step"] <= step] == [e for e in before_evals if e["step"] <= step]
+        assert sorted(train)[-1] > step, "nothing trained after the resume"
 
 
 def rewind(src: Path, dst: Path, step: int) -> Path:
@@ -127,13 +186,15 @@ def rewind(src: Path, dst: Path, step: int) -> Path:
 class Run:
     """One training for a shared launch (tests/integration/conftest.py): train_<strategy>.py's training with
     `flags` on `nproc` processes. With `rewound_from` (another run's name in the pool, a step) it starts in a
-    copy of that run as it stood after that step (rewind), e.g. to --resume it. Strategies "seeding",
-    "skip-agreement" and "ring" are not trainings but checks on real ranks (tests/integration/workers/runs.py)."""
+    copy of that run as it stood after that step (rewind), e.g. to --resume it. With `observe`, probes record what
+    its layers computed (`observed`). Strategies "skip-agreement" and "ring" are not trainings but checks on real
+    ranks (tests/integration/workers/runs.py)."""
 
     strategy: str
     flags: list[str] = field(default_factory=list)
     nproc: int = 4
     rewound_from: tuple[str, int] | None = None
+    observe: bool = False
 
 
 def run_many(
@@ -147,6 +208,7 @@ def run_many(
             "strategy": run.strategy,
             "flags": run.flags,
             "rewind": run.rewound_from and [str(root / run.rewound_from[0]), run.rewound_from[1]],
+            "observe": run.observe,
         }
         for name, run in runs.items()
     }
