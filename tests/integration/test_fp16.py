@@ -1,12 +1,13 @@
-"""fp16 with loss scaling on real processes (gloo): every strategy against one fp16 process, a forced overflow
-skipped on the same steps by every rank and by the one-process run that forms the same fp16 tensors, and an
-exact resume with the scaler's state. docs/training.md, "fp16 and loss scaling", explains the numbers."""
+"""fp16 with loss scaling on real processes (gloo): every strategy, with a forced overflow, skips the same steps on
+every rank as the one-process run that forms the same fp16 tensors, and then follows its curve; an exact resume
+with the scaler's state. docs/precision.md explains the numbers, and measures each strategy against one process
+at the default scale (a different summation order: ~1e-3 apart, fp16's rounding)."""
 
 import json
 
 import pytest
 
-from tests.helpers import SMALL, Run, losses, max_abs_diff, read_metrics, read_run
+from tests.helpers import SMALL, Run, assert_follows, assert_resumed, printed, read_metrics, read_run
 
 STEPS = 20
 FP16 = [
@@ -26,14 +27,9 @@ def overflow(scale: int) -> list[str]:
 # W times those of one process at the same scale, and the pipeline's micro-batch sums cover fewer samples: the
 # one-process run with the same fp16 tensors is --grad-accum-steps 4 (chunks of 16), at the scale x W for DDP
 # and FSDP. TP's ranks each run the whole batch: one process as it is. FSDP computes in fp16 parameters (not
-# autocast): its reference is FSDP on one process.
+# autocast): its reference is FSDP on one process. (Against one process that sums in another order, at the
+# default scale, each strategy stays ~1e-3 away: docs/precision.md measures it; here, the same sums, 1e-4.)
 POOLED = {
-    "ref": Run("ddp", FP16, nproc=1),
-    "ref-fsdp": Run("fsdp", FP16, nproc=1),
-    "ddp": Run("ddp", FP16),
-    "fsdp": Run("fsdp", FP16),
-    "pp": Run("pippy", FP16),
-    "tp": Run("tp", FP16, nproc=2),
     "ref-ovf": Run("ddp", overflow(S), nproc=1),
     "ref-ovf-chunks": Run("ddp", [*overflow(S), "--grad-accum-steps", "4"], nproc=1),
     "ref-fsdp-ovf-chunks": Run("fsdp", [*overflow(S), "--grad-accum-steps", "4"], nproc=1),
@@ -47,7 +43,6 @@ POOLED = {
     },
     "agreement": Run("skip-agreement"),
 }
-PARITY = {"ddp": "ref", "fsdp": "ref-fsdp", "pp": "ref", "tp": "ref"}
 TWINS = {
     "ddp-ovf": "ref-ovf-chunks",
     "fsdp-ovf": "ref-fsdp-ovf-chunks",
@@ -71,25 +66,13 @@ def scales(out) -> list[float]:
     return [train[s]["loss_scale"] for s in sorted(train)]
 
 
-@pytest.mark.parametrize("name", PARITY)
-def test_fp16_runs_match_one_fp16_process(runs, name):
-    """fp16's unit roundoff is 2^-11 = 4.9e-4: summing a gradient in another order (per rank, then across ranks)
-    changes it by about that, relative, and AdamW turns such differences into weight differences of ~lr per
-    step. Over 20 steps at --lr 1e-4 the loss then moves by ~1e-4 to 1e-3. TP adds its all-reduces of partial
-    activations in fp16, three more roundings in every forward, and stays within 5e-3."""
-    bound = 5e-3 if name == "tp" else 1e-3
-    assert max_abs_diff(losses(runs / name), losses(runs / PARITY[name])) <= bound
-    assert skipped(runs / name) == [] and set(scales(runs / name)) == {65536.0}  # the default scale never overflowed
-    assert losses(runs / name)[-1] < losses(runs / name)[0]
-
-
 @pytest.mark.parametrize("name", TWINS)
 def test_a_forced_overflow_skips_the_same_steps_as_one_process_then_the_same_curve(runs, name):
     twin = TWINS[name]
     steps = skipped(runs / name)
     assert steps == skipped(runs / twin)
     assert steps[:11] == list(range(1, 12)) and len(steps) > 11  # the forced steps, then the edge found again
-    assert max_abs_diff(losses(runs / name), losses(runs / twin)) <= 1e-4
+    assert_follows(runs / name, runs / twin, loss=1e-4)  # (grad_norm: null on the skipped steps)
     # every rank and stage decided alike (run.json: each rank's own skipped steps)
     assert read_run(runs / name)["loss_scaling"]["skipped_steps_per_rank"] == [steps] * (2 if name == "tp-ovf" else 4)
     ratio = 4 if name in ("ddp-ovf", "fsdp-ovf") else 1
@@ -98,6 +81,7 @@ def test_a_forced_overflow_skips_the_same_steps_as_one_process_then_the_same_cur
 
 @pytest.mark.parametrize("name", ["ddp-ovf", "fsdp-ovf", "pp-ovf"])
 def test_an_fp16_run_resumed_repeats_the_run_bit_for_bit(runs, name):
+    assert_resumed(runs / f"{name}-resumed", 10, printed(runs / f"{name}-resumed"), source=runs / name)
     full, resumed = read_metrics(runs / name)[0], read_metrics(runs / f"{name}-resumed")[0]
     assert sorted(full) == sorted(resumed) == list(range(1, STEPS + 1))
     for step in full:  # the loss, the scale and the skip decision of every step, the resumed ones included

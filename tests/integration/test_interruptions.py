@@ -23,6 +23,7 @@ from tests.helpers import (
     ROOT,
     SMALL,
     Run,
+    assert_resumed,
     env_for_tests,
     last_logged_step,
     losses,
@@ -30,12 +31,13 @@ from tests.helpers import (
     read_metrics,
     rewind,
     start_runner,
+    workers_writing_to,
 )
 
 # 40 steps, a checkpoint every 10; --lr 2e-3, where a 1-ulp difference would grow: only an exact resume matches
 FLAGS = [*SMALL, "--max-steps", "40", "--batch-size", "64", "--dropout", "0", "--lr", "2e-3"]
 FLAGS += ["--checkpoint-every", "10"]
-STRATEGIES = ("ddp", "fsdp", "pippy")
+STRATEGIES = ("ddp", "fsdp", "pippy", "tp")
 POOLED = {s: Run(s, FLAGS, nproc=2) for s in STRATEGIES}  # the uninterrupted runs
 # what a run prints when nothing goes wrong: everything else counts against the 3 lines an interruption may add
 TRAINING = re.compile(r"^(DDP|FSDP|pipeline|TP) \||^\w[\w-]*: \d+ train|^BabyCNN|^  stage \d|^resum|^(step|eval) +\d+/")
@@ -87,40 +89,57 @@ def run_shell(command: str) -> subprocess.CompletedProcess:
     )
 
 
-def assert_continues_exactly(out: Path, reference: Path) -> None:
+def assert_continues_exactly(out: Path, reference: Path, stopped_at: int, output: str, before: dict) -> None:
+    """The run that stopped with a checkpoint of step `stopped_at` went on from it (its `output` says so, and the
+    records up to it, `before`, are kept as they were), and ended on the uninterrupted curve, bit for bit."""
+    assert_resumed(out, stopped_at, output)
     train, _ = read_metrics(out)  # (fails on a step logged twice)
+    assert [train[s] for s in range(1, stopped_at + 1)] == [before[s] for s in range(1, stopped_at + 1)]
     assert sorted(train) == list(range(1, 41))
     assert losses(out) == losses(reference)  # max |dloss| = 0
 
 
 def test_ctrl_c_then_two_preemptions_then_the_run_ends_on_the_uninterrupted_curve(uninterrupted, tmp_path):
-    """DDP: Ctrl-C (SIGINT to the runner's process group, as a terminal sends it) after step 13; the printed
-    command continues; SIGTERM to torchrun alone after step 17; continued; SIGTERM to the runner after step 25;
-    continued to the end. Every stop is one or two lines, no traceback; the curve is the uninterrupted one."""
+    """DDP: Ctrl-C (SIGINT to the runner's process group, as a terminal sends it) once step 13 is logged; the printed
+    command continues; SIGTERM to torchrun alone once step 17 is; continued with --preempt-signal USR2; SIGUSR2 to
+    the runner once step 25 is; continued to the end. Every stop is one or two lines, no traceback; every
+    continuation resumes from the checkpoint the stop left; the curve is the uninterrupted one."""
     out = tmp_path / "run"
     runner = start("ddp", FLAGS, out)
     code, printed = when_past(runner, out, 13, lambda: os.killpg(runner.pid, signal.SIGINT))
     assert code == 130, printed[-3000:]
     assert len(extra_lines(printed)) == 1 and "Traceback" not in printed, printed[-3000:]
-    assert re.search(r"interrupted \(SIGINT\) at step 1[3-9] \(the latest checkpoint is \S+step_0000010", printed)
+    interrupted = re.search(
+        r"interrupted \(SIGINT\) at step (\d+) \(the latest checkpoint is (\S+) \(step (\d+)\)", printed
+    )
+    at, latest = int(interrupted.group(1)), int(interrupted.group(3))
+    assert 13 <= at < 40 and latest == at // 10 * 10 and interrupted.group(2) == f"{out}/checkpoints/step_{latest:07d}"
     assert continue_command(printed) == f"NPROC=2 bash run_ddp.sh {shlex.join(FLAGS)} --out {out} --resume"
     assert not list((out / "checkpoints").glob("*.tmp"))
 
     # SIGTERM to torchrun alone: it passes it to its workers, which save the step they finish and stop
+    before = read_metrics(out)[0]
     code, printed = when_past(
         start("ddp", [*FLAGS, "--resume"], out), out, 17, lambda: os.kill(torchrun_pid(out), signal.SIGTERM)
     )
     assert code == 143 and len(extra_lines(printed)) <= 3 and "Traceback" not in printed, printed[-3000:]
+    assert_resumed(out, latest, printed)
+    assert [read_metrics(out)[0][s] for s in range(1, latest + 1)] == [before[s] for s in range(1, latest + 1)]
     stopped = int(re.search(r"stopped by SIGTERM after step (\d+) of 40", printed).group(1))
-    assert 18 <= stopped <= 24 and (out / "checkpoints" / f"step_{stopped:07d}").is_dir(), printed[-3000:]
+    assert 17 <= stopped < 40 and (out / "checkpoints" / f"step_{stopped:07d}").is_dir(), printed[-3000:]
 
-    # SIGTERM to the runner at step 25 of 40: a step-25 or -26 checkpoint, and the run goes on from it
-    code, printed = when_past(start("ddp", [*FLAGS, "--resume"], out), out, 25, lambda: runner_signal(out))
-    assert code == 143 and len(extra_lines(printed)) <= 3 and "Traceback" not in printed, printed[-3000:]
-    assert re.search(r"stopped by SIGTERM after step 2[5-7] of 40", printed), printed[-3000:]
+    # --preempt-signal USR2 (a resume may change it), and SIGUSR2 to the runner once step 25 is logged
+    before, usr2 = read_metrics(out)[0], [*FLAGS, "--preempt-signal", "USR2", "--resume"]
+    code, printed = when_past(start("ddp", usr2, out), out, 25, lambda: runner_signal(out, signal.SIGUSR2))
+    assert code == 128 + signal.SIGUSR2 and len(extra_lines(printed)) <= 3 and "Traceback" not in printed, printed
+    assert_resumed(out, stopped, printed)
+    assert [read_metrics(out)[0][s] for s in range(1, stopped + 1)] == [before[s] for s in range(1, stopped + 1)]
+    stopped = int(re.search(r"stopped by SIGUSR2 after step (\d+) of 40", printed).group(1))
+    assert 25 <= stopped < 40 and "--preempt-signal USR2" in continue_command(printed), printed[-3000:]
+    before = read_metrics(out)[0]
     finished = run_shell(continue_command(printed))
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
-    assert_continues_exactly(out, uninterrupted / "ddp")
+    assert_continues_exactly(out, uninterrupted / "ddp", stopped, finished.stdout, before)
 
 
 def supervisor_pid(out: Path) -> int:
@@ -135,16 +154,17 @@ def runner_signal(out: Path, sig: int = signal.SIGTERM) -> None:
     os.kill(supervisor_pid(out), sig)
 
 
-@pytest.mark.parametrize("strategy", ("fsdp", "pippy"))
+@pytest.mark.parametrize("strategy", ("fsdp", "pippy", "tp"))
 def test_sigterm_to_the_runner_at_step_25_saves_and_the_resumed_run_is_bit_for_bit(uninterrupted, tmp_path, strategy):
     out = tmp_path / "run"
     code, printed = when_past(start(strategy, FLAGS, out), out, 25, lambda: runner_signal(out))
     assert code == 143 and len(extra_lines(printed)) <= 3 and "Traceback" not in printed, printed[-3000:]
-    step = int(re.search(r"stopped by SIGTERM after step (2[5-7]) of 40", printed).group(1))
-    assert (out / "checkpoints" / f"step_{step:07d}").is_dir()
+    step = int(re.search(r"stopped by SIGTERM after step (\d+) of 40", printed).group(1))
+    assert 25 <= step < 40 and (out / "checkpoints" / f"step_{step:07d}").is_dir()
+    before = read_metrics(out)[0]
     finished = run_shell(continue_command(printed))
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
-    assert_continues_exactly(out, uninterrupted / strategy)
+    assert_continues_exactly(out, uninterrupted / strategy, step, finished.stdout, before)
 
 
 def test_a_checkpoint_that_cannot_be_written_is_one_line_and_resume_continues(uninterrupted, tmp_path):
@@ -164,9 +184,37 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_resume_continues(un
         line,
     ), printed[-3000:]
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_0000010"]
+    before = read_metrics(out)[0]
     finished = run_shell(f"NPROC=2 bash run_ddp.sh {' '.join(FLAGS)} --resume --out {out}")
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
-    assert_continues_exactly(out, uninterrupted / "ddp")
+    assert_continues_exactly(out, uninterrupted / "ddp", 10, finished.stdout, before)
+
+
+def test_a_rank_stuck_past_timeout_s_ends_the_job_in_one_line(tmp_path):
+    """A rank that stops answering (SIGSTOP: a hung process, a frozen machine) leaves the other waiting inside a
+    collective; after --timeout-s it gives up and the job ends in one line naming the step, exit 1. (The stopped
+    rank is let go once the other has ended, so that torchrun need not wait to kill it.)"""
+    out = tmp_path / "run"
+    runner = start("ddp", [*FLAGS, "--timeout-s", "5", "--max-steps", "400", "--epochs", "20"], out)
+    frozen = []
+
+    def freeze_rank_1() -> None:
+        frozen.extend(pid for pid, rank in workers_writing_to(out).items() if rank == 1)
+        os.kill(frozen[0], signal.SIGSTOP)
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S  # rank 0 gives up after 5 s
+        while 0 in workers_writing_to(out).values():
+            assert time.monotonic() < deadline, "rank 0 still waits, past --timeout-s"
+            time.sleep(0.2)
+        os.kill(frozen[0], signal.SIGCONT)
+
+    code, printed = when_past(runner, out, 3, freeze_rank_1)
+    assert code == 1 and "Traceback" not in printed, printed[-3000:]
+    (line,) = extra_lines(printed)
+    assert re.fullmatch(
+        r"\[rank 0\] error: a collective waited longer than --timeout-s 5 at step \d+: another rank stopped, hung or "
+        r"died; raise --timeout-s if a step can take that long, then continue with --resume",
+        line,
+    ), line
 
 
 def test_memory_run_out_in_the_cpu_allocator_is_one_line(tmp_path):
@@ -227,7 +275,7 @@ def test_sigusr1_to_every_process_as_slurm_sends_it_saves_and_stops(tmp_path):
     code, printed = when_past(runner, out, 5, signal_every_process)
     assert code == 128 + signal.SIGUSR1 and len(extra_lines(printed)) <= 3, printed[-3000:]
     step = int(re.search(r"stopped by SIGUSR1 after step (\d+) of 40", printed).group(1))
-    assert 5 < step < 10 and (out / "checkpoints" / f"step_{step:07d}").is_dir() and "Traceback" not in printed
+    assert 5 <= step < 40 and (out / "checkpoints" / f"step_{step:07d}").is_dir() and "Traceback" not in printed
 
 
 def test_ctrl_c_on_a_script_run_without_the_runner_is_one_line(tmp_path):

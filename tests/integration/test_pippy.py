@@ -12,12 +12,14 @@ import pytest
 from tests.helpers import (
     PP_PARITY,
     Run,
+    assert_follows,
+    assert_resumed,
     env_for_tests,
     kill_a_worker_when,
     last_logged_step,
     launch,
     losses,
-    max_abs_diff,
+    printed,
     read_metrics,
     read_run,
     run_command,
@@ -25,6 +27,8 @@ from tests.helpers import (
 )
 
 STEPS = 20  # PP_PARITY's
+# |Δloss| and relative |Δgrad_norm| against one process: ~10x the 3.6e-7 and 3.8e-7 measured here
+FOLLOWS = {"loss": 3e-6, "grad_norm": 3e-6}
 # The schedule matrix runs the first 10 of them: after the 4 warm-up steps the rate is constant, so a 10-step
 # run is the 20-step run's prefix, and a schedule that orders its micro-batches or gradients wrongly is off
 # from the first step. The reference also evaluates after step 10, for the matrix to compare its evaluation.
@@ -74,7 +78,6 @@ def ref(references):
 
 @pytest.fixture(scope="module")
 def pipelines(pool):
-    assert f"resumed from {pool / 'pippy' / 'from-ddp'}/checkpoints/step_0000012 (step 12)" in pool.output
     return pool / "pippy"
 
 
@@ -82,7 +85,8 @@ def check_matches_reference(out, ref_out) -> None:
     reference, run_losses = losses(ref_out), losses(out)
     assert len(reference) == STEPS and reference[-1] < 0.7 * reference[0], "the reference run should learn"
     assert len(run_losses) in (MATRIX_STEPS, STEPS)
-    assert max_abs_diff(run_losses, reference[: len(run_losses)]) <= 1e-4
+    # grad_norm too: a schedule that scaled every gradient by a constant factor would hide in AdamW's loss
+    assert_follows(out, ref_out, **FOLLOWS)
     # evaluation ran through the pipeline over all 256 test images: the same predictions as the reference
     evaluation = read_metrics(out)[1][-1]
     (reference_eval,) = [e for e in read_metrics(ref_out)[1] if e["step"] == evaluation["step"] == len(run_losses)]
@@ -124,10 +128,9 @@ def test_bubble_is_measured_per_rank_and_set_against_theory(pipelines):
         bubble = read_run(out)["pipeline"]["bubble"]
         assert bubble["formula"] == "(p-1)/(m+p-1)" and bubble["formula_value"] == pytest.approx(3 / (m + 3))
         assert bubble["theory"] == pytest.approx(3 / (m + 3))  # the executed order, simulated, agrees
-        assert 0 < bubble["measured"] < 1 and len(bubble["busy_fraction_per_rank"]) == 4
-        # conv2 holds ~88% of the work: stage imbalance alone idles the pipeline more than the fill and drain
-        assert bubble["expected_from_stage_times"] > bubble["theory"]
-        assert bubble["measured"] > bubble["theory"]
+        # what the clocks measured is reported, not judged here: docs/pipeline.md sets it beside the theory
+        assert 0 < bubble["measured"] < 1 and 0 < bubble["expected_from_stage_times"] < 1
+        assert len(bubble["busy_fraction_per_rank"]) == 4
         lines = [json.loads(line) for line in (out / "bubble.jsonl").read_text().splitlines()]
         assert [r["step"] for r in lines] == list(range(1, MATRIX_STEPS + 1))
         assert all(len(r["busy_s"]) == len(r["idle_s"]) == 4 and min(r["busy_s"]) > 0 for r in lines)
@@ -147,8 +150,10 @@ def test_a_sigkilled_worker_is_restarted_and_the_run_resumes_exactly(pipelines, 
     runner = start_runner("pippy", flags, out, NPROC="4", MAX_RESTARTS="1")
     _, output = kill_a_worker_when(runner, out, 4, lambda: last_logged_step(out) > 4)
     assert runner.returncode == 0, output[-4000:]
-    assert re.search(r"resumed from \S+ \(step (4|8)\)", output), output[-3000:]
-    assert max_abs_diff(losses(out), losses(pipelines / "interleaved-1f1b-m4")) <= 1e-6
+    resumed = re.search(r"resumed from \S+ \(step (4|8)\)", output)
+    assert resumed, output[-3000:]
+    assert_resumed(out, int(resumed.group(1)), output)
+    assert losses(out) == losses(pipelines / "interleaved-1f1b-m4")  # bit for bit
     train, evals = read_metrics(out)
     assert all(
         set(r) == {"kind", "step", "loss", "lr", "grad_norm", "samples_per_s", "step_time_s"} for r in train.values()
@@ -162,12 +167,84 @@ def test_a_sigkilled_worker_is_restarted_and_the_run_resumes_exactly(pipelines, 
 
 def test_checkpoints_move_between_ddp_and_the_pipeline(pipelines, ref, tmp_path):
     # DDP's 12-step checkpoint resumed by 2 pipelines x 2 stages (FSDP2-sharded stages)
-    assert max_abs_diff(losses(pipelines / "from-ddp"), losses(ref)) <= 1e-4
+    assert_resumed(pipelines / "from-ddp", 12, printed(pipelines / "from-ddp"), source=ref)
+    assert_follows(pipelines / "from-ddp", ref, **FOLLOWS, steps=range(13, STEPS + 1))
     # the pipeline's checkpoint (8 stages over 4 ranks) resumed by one DDP process
     out = tmp_path / "ddp-from-pipeline"
     shutil.copytree(pipelines / "part1", out)
-    launch("train_ddp.py", 1, [*PP_PARITY, "--resume"], out)
-    assert max_abs_diff(losses(out), losses(ref)) <= 1e-4
+    assert_resumed(out, 12, launch("train_ddp.py", 1, [*PP_PARITY, "--resume"], out).stdout, source=pipelines / "part1")
+    assert_follows(out, ref, **FOLLOWS, steps=range(13, STEPS + 1))
+
+
+# --------------------------------------------------------------------------------------------- an RGB data set
+# Written into the workers' sitecustomize: the CIFAR-10 files below are the test's own, so the checksums torchvision
+# keeps of the real ones cannot match; once torchvision.datasets.cifar is imported its two checks say yes, and
+# everything else (reading the batches, the classes) is torchvision's own code.
+ACCEPT_OUR_CIFAR = """
+import importlib.abc, importlib.util, sys
+
+class AcceptOurCifar(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "torchvision.datasets.cifar":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            module.check_integrity = lambda *args, **kwargs: True
+            module.CIFAR10._check_integrity = lambda self: True
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, AcceptOurCifar())
+"""
+
+
+def write_cifar10(root, *, per_batch: int = 128, test: int = 128) -> None:
+    """A CIFAR-10 in its own format (cifar-10-batches-py: five training batches, a test batch, the class names), of
+    32x32 RGB images whose class sets their colour, so that a few steps learn something."""
+    import pickle
+
+    import numpy as np
+
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+
+    def batch(n: int) -> dict:
+        labels = rng.integers(0, 10, n)
+        colours = np.stack([(labels * k) % 256 for k in (25, 70, 130)], axis=1).astype(np.float64)
+        images = colours[:, :, None] + rng.normal(0, 30, (n, 3, 1024))
+        return {"data": images.clip(0, 255).astype(np.uint8).reshape(n, 3072), "labels": labels.tolist()}
+
+    for name, n in [*((f"data_batch_{i}", per_batch) for i in range(1, 6)), ("test_batch", test)]:
+        (folder / name).write_bytes(pickle.dumps(batch(n)))
+    (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": [f"class{i}" for i in range(10)]}))
+
+
+def test_an_rgb_data_set_trains_through_the_pipeline(tmp_path):
+    """--dataset cifar10 from files on disk (3 x 32 x 32 images) through run_pippy.sh on 2 processes: the first
+    stage's convolution takes 3 channels, the stages' shapes follow from the images, and the run learns."""
+    from common.model import build_model
+
+    write_cifar10(tmp_path / "data")
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(ACCEPT_OUR_CIFAR)
+    out, env = tmp_path / "run", env_for_tests()
+    env.update(NPROC="2", PYTHONPATH=f"{tmp_path / 'site'}:{env['PYTHONPATH']}")
+    flags = ["--dataset", "cifar10", "--data-dir", str(tmp_path / "data"), "--batch-size", "32", "--epochs", "2"]
+    run_command(["bash", "run_pippy.sh", *flags, "--dropout", "0", "--out", str(out)], env=env)
+    run = read_run(out)
+    rgb = build_model(seed=0, in_channels=3, image_size=32, num_classes=10, dropout=0.0)
+    assert run["config"]["dataset"] == "cifar10" and run["model"]["parameters"] == sum(
+        p.numel() for p in rgb.parameters()
+    )
+    train, evals = read_metrics(out)
+    assert sorted(train) == list(range(1, 41)) and train[40]["loss"] < 0.5 * train[1]["loss"]
+    assert evals[-1]["test_accuracy"] >= 0.5
 
 
 # --------------------------------------------------------------------------------------------- bad input

@@ -1,7 +1,8 @@
 """The memory planner against real runs: for two sizes, at 1 to 4 processes, every rank of a DDP, an FSDP (a unit
 per layer), a 1F1B, a TP and an FSDP x TP run holds exactly the state bytes the planner says (run.json's param,
 grad and optimizer bytes), and its measured peak (--measure-peak, the launch's second step) is within 15 % of the
-planned one (a pipeline rank's, of the planned range: gloo may still hold the activation it sent)."""
+planned one (a pipeline rank's, of the planned range: gloo may still hold the activation it sent), counted from
+its tensors, and within 20 % as the C allocator itself saw it."""
 
 import json
 import sys
@@ -25,6 +26,9 @@ VARIANTS = {
     "fsdp-x-tp": ("tp", ["--dp", "2"], (2, 4)),
 }
 PEAK_TOLERANCE = 0.15
+# the C allocator's own count (glibc's bytes in use, run.json's allocator_peak_bytes) also holds what torch's kernels
+# allocate for themselves, which no tensor shows: measured here within 0.87 to 1.15 of the planned range
+ALLOCATOR_TOLERANCE = 0.2
 # the memory wall's closed form (common/memory.py: the preflight cannot plan with torch) against the planner
 CLOSED_FORM_TOLERANCE = 0.25
 WALL_VARIANTS = (
@@ -74,6 +78,9 @@ def test_the_plan_is_what_each_rank_of_a_real_run_holds(pool, size, variant):
             low, high = planned.peak_bytes, planned.peak_bytes + planned.in_flight_bytes
             peak = measured["peak_bytes"]
             assert (1 - PEAK_TOLERANCE) * low <= peak <= (1 + PEAK_TOLERANCE) * high, (where, low, high, peak)
+            # and the memory the process really used: the peak as the C allocator saw it, not counted from tensors
+            used = measured["allocator_peak_bytes"]
+            assert (1 - ALLOCATOR_TOLERANCE) * low <= used <= (1 + ALLOCATOR_TOLERANCE) * high, (where, low, high, used)
 
 
 @pytest.mark.parametrize("size", ["baby", "small", "medium"])

@@ -6,13 +6,28 @@ test_essentials.py; at a larger size: test_scale.py; a resume at a chaotic learn
 import pytest
 
 from common.model import build_model
-from tests.helpers import PP_PARITY, Run, env_for_tests, losses, max_abs_diff, read_metrics, read_run, run_command
+from tests.helpers import (
+    PP_PARITY,
+    Run,
+    assert_follows,
+    assert_resumed,
+    env_for_tests,
+    losses,
+    max_abs_diff,
+    observed,
+    printed,
+    read_metrics,
+    read_run,
+    run_command,
+)
 
 # The 1-process reference "pipeline" (tests/integration/conftest.py) runs these flags, with a checkpoint after
 # step 12 for TP to resume; TP's own runs checkpoint there too.
 AT_12 = [*PP_PARITY, "--checkpoint-every", "12"]
 RESUME = [*AT_12, "--resume"]
 FSDP_X_TP = ["--dp", "2"]
+# |Δloss| and relative |Δgrad_norm| against one process: ~10x the 3.6e-7 and 1.9e-7 measured here
+FOLLOWS = {"loss": 3e-6, "grad_norm": 2e-6}
 
 # Trainings in the shared launches (tests/integration/conftest.py)
 POOLED = {
@@ -24,9 +39,14 @@ POOLED = {
     "fsdp-from-tp": Run("fsdp", RESUME, rewound_from=("tp/tp", 12)),
     "fsdp-x-tp-from-tp": Run("tp", [*RESUME, *FSDP_X_TP], rewound_from=("tp/tp", 12)),  # onto the 2-D mesh
     "tp2-from-tp4": Run("tp", RESUME, nproc=2, rewound_from=("tp/tp", 12)),  # 4-way TP's shards, 2-way
-    "bf16": Run("tp", [*PP_PARITY, "--precision", "bf16"], nproc=2),
+    "bf16": Run("tp", [*PP_PARITY, "--precision", "bf16"], nproc=2, observe=True),
 }
-CROSSINGS = ["tp-from-ddp", "fsdp-from-tp", "fsdp-x-tp-from-tp", "tp2-from-tp4"]
+CROSSINGS = {  # name: the run whose step-12 checkpoint it resumed
+    "tp-from-ddp": "references/pipeline",
+    "fsdp-from-tp": "tp/tp",
+    "fsdp-x-tp-from-tp": "tp/tp",
+    "tp2-from-tp4": "tp/tp",
+}
 
 
 @pytest.fixture(scope="module")
@@ -39,33 +59,29 @@ def reference(references):
     return references["pipeline"]
 
 
-def grad_norms(out) -> list[float]:
-    train, _ = read_metrics(out)
-    return [train[s]["grad_norm"] for s in sorted(train)]
-
-
 @pytest.mark.parametrize("name", ["tp", "fsdp-x-tp", "fsdp-x-tp-accum"])
 def test_tp_follows_one_process(runs, reference, name):
     assert len(losses(runs / name)) == 20
-    assert max_abs_diff(losses(runs / name), losses(reference)) <= 1e-4
-    assert max_abs_diff(grad_norms(runs / name), grad_norms(reference)) <= 1e-4
+    assert_follows(runs / name, reference, **FOLLOWS)
     # the test set is split over the replicas only (a replica's TP ranks evaluate the same images): the same count
     assert read_metrics(runs / name)[1][-1]["test_accuracy"] == read_metrics(reference)[1][-1]["test_accuracy"]
 
 
 def test_fsdp_x_tp_resumes_its_own_checkpoint_bit_for_bit(runs):
-    full, again = read_metrics(runs / "fsdp-x-tp"), read_metrics(runs / "fsdp-x-tp-resumed")
+    again = runs / "fsdp-x-tp-resumed"
+    assert_resumed(again, 12, printed(again), source=runs / "fsdp-x-tp")
+    full, resumed = read_metrics(runs / "fsdp-x-tp"), read_metrics(again)
     timing = ("samples_per_s", "step_time_s")
     strip = lambda records: [{k: v for k, v in r.items() if k not in timing} for r in records]  # noqa: E731
-    assert strip(full[0].values()) == strip(again[0].values()) and len(full[0]) == 20
-    assert full[1] == again[1]  # the evaluations too
+    assert strip(full[0].values()) == strip(resumed[0].values()) and len(full[0]) == 20
+    assert full[1] == resumed[1]  # the evaluations too
 
 
 @pytest.mark.parametrize("name", CROSSINGS)
-def test_checkpoints_cross_strategies_and_tp_degrees_on_the_same_curve(runs, reference, name):
+def test_checkpoints_cross_strategies_and_tp_degrees_on_the_same_curve(pool, runs, reference, name):
     # resumed after step 12 of another strategy or TP degree, the run goes on along the 1-process curve
-    assert len(losses(runs / name)) == 20
-    assert max_abs_diff(losses(runs / name)[12:], losses(reference)[12:]) <= 1e-4, name
+    assert_resumed(runs / name, 12, printed(runs / name), source=pool / CROSSINGS[name])
+    assert_follows(runs / name, reference, **FOLLOWS, steps=range(13, 21))
     assert read_run(runs / name)["strategy"] == ("fsdp" if name == "fsdp-from-tp" else "tp")
 
 
@@ -97,11 +113,13 @@ def test_the_profile_names_the_collectives_tp_adds(runs):
         assert collectives["other"] == {"gloo:all_reduce": 5}
 
 
-def test_bf16_follows_fp32_closely(runs, reference):
+def test_bf16_computes_in_bf16_and_follows_fp32_closely(runs, reference):
     # autocast: the split matmuls in bf16, their partial sums added in bf16; the master weights stay fp32
-    # (measured: 2e-4 apart at step 1, 5e-3 at most over the 20 steps)
+    for rank in observed(runs / "bf16"):  # what the layers returned in training, on every rank
+        assert rank["dtypes"] == dict.fromkeys(("Conv2d", "LayerNorm", "Linear"), ["torch.bfloat16"])
+    # measured: 1.7e-4 apart at step 1, 5.4e-3 at most over the 20 steps; fp32 arithmetic would be ~1e-6 apart
     bf16, fp32 = losses(runs / "bf16"), losses(reference)
-    assert abs(bf16[0] - fp32[0]) <= 1e-3 and max_abs_diff(bf16, fp32) <= 2e-2
+    assert abs(bf16[0] - fp32[0]) <= 2e-3 and 5e-4 <= max_abs_diff(bf16, fp32) <= 5e-2
     memory = read_run(runs / "bf16")["memory"]
     assert all(rank["param_bytes"] == memory["theory"]["param_bytes"] for rank in memory["per_rank"])  # fp32
 

@@ -1,0 +1,173 @@
+"""Mutation checks: remove a feature, and the tests that name it must fail. Run by hand (minutes each), not by
+pytest or CI:
+
+    python -m tests.mutations                 # every mutation, then a table
+    python -m tests.mutations ring resume     # some of them
+
+Each mutation replaces one piece of the sources (it must occur exactly once) in a copy of this checkout, runs the
+tests that should notice with `pytest -x`, and reports "caught" if they failed, "MISSED" if they passed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# name: (file, what to replace, what with, the tests that must fail)
+MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
+    "ring": (
+        "train_ddp.py",
+        "model.register_comm_hook(None, ring_hook)",
+        "ring_hook  # (not registered)",
+        ["tests/integration/test_communication.py", "-k", "ring"],
+    ),
+    "resume": (
+        "common/checkpoint.py",
+        "if not (cfg.resume or _restarted()) or not (path := latest_checkpoint(cfg.out, log=log)):",
+        "if True:",
+        [
+            *("tests/integration/test_resume.py", "tests/integration/test_tp.py", "tests/integration/test_scale.py"),
+            *("tests/integration/test_fp16.py", "tests/integration/test_pippy.py", "tests/integration/test_ddp.py"),
+            *("-k", "resume or cross or size or move"),
+        ],
+    ),
+    "autocast": (
+        "common/training.py",
+        'enabled=cfg.precision != "fp32")',
+        "enabled=False)",
+        ["tests/integration/test_tp.py", "-k", "bf16"],
+    ),
+    "fsdp-mixed-precision": (
+        "train_fsdp.py",
+        "mp_policy=mixed if low else MixedPrecisionPolicy(),",
+        "mp_policy=MixedPrecisionPolicy(),",
+        ["tests/integration/test_essentials.py", "-k", "bf16_computes"],
+    ),
+    "compile": (
+        "common/compiling.py",
+        "module.compile(dynamic=dynamic)",
+        "pass",
+        ["tests/integration/test_essentials.py", "-k", "compiled_runs and (ddp or fsdp or tp)"],
+    ),
+    "compile-stages": (
+        "common/pipeline.py",
+        "module.forward = torch.compile(module.forward)",
+        "pass",
+        ["tests/integration/test_essentials.py", "-k", "compiled_runs and pp"],
+    ),
+    "activation-checkpointing": (
+        "train_fsdp.py",
+        "model = checkpoint_wrapper(model)",
+        "pass",
+        ["tests/integration/test_fsdp.py", "-k", "option and full"],
+    ),
+    "cpu-offload": (
+        "train_fsdp.py",
+        "offload_policy=offload if cfg.cpu_offload else OffloadPolicy(),",
+        "offload_policy=OffloadPolicy(),",
+        ["tests/integration/test_fsdp.py", "-k", "option and grad-op"],
+    ),
+    "reseeding": (
+        "train_ddp.py",
+        "seed_everything(cfg.seed + env.rank)",
+        "seed_everything(cfg.seed)",
+        ["tests/integration/test_ddp.py", "-k", "dropout"],
+    ),
+    "accumulation-scale": (
+        "train_ddp.py",
+        "loss = F.cross_entropy(model(x), y) / cfg.grad_accum_steps",
+        "loss = F.cross_entropy(model(x), y)",
+        ["tests/integration/test_ddp.py", "-k", "accumulation"],
+    ),
+    "micro-batch-scale": (
+        "train_pippy.py",
+        "/ (cfg.n_microbatches * cfg.grad_accum_steps)",
+        "/ cfg.grad_accum_steps",
+        ["tests/integration/test_pippy.py", "-k", "every_schedule"],
+    ),
+    "weight-decay": (
+        "common/training.py",
+        "return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)",
+        "return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, fused=True)",
+        ["tests/integration/test_ddp.py", "-k", "weight_decay"],
+    ),
+    "timeout-line": (
+        "common/distributed.py",
+        'return isinstance(e, RuntimeError) and "Timed out waiting" in str(e)',
+        "return False",
+        ["tests/integration/test_interruptions.py", "-k", "timeout"],
+    ),
+    "preempt-signal": (
+        "common/distributed.py",
+        'for sig in (signal.SIGTERM, signal.Signals[f"SIG{preempt_signal}"]):',
+        "for sig in (signal.SIGTERM, signal.SIGUSR1):",
+        ["tests/integration/test_interruptions.py", "-k", "ctrl_c_then"],
+    ),
+    "tp-split": (
+        "train_tp.py",
+        "plan[col], plan[row] = ColwiseParallel(), RowwiseParallel()",
+        "pass",
+        ["tests/integration/test_tp.py", "-k", "slice"],
+    ),
+}
+
+
+def copy_checkout(into: Path) -> None:
+    """The checkout's files (tracked, and untracked but not ignored) and a link to its .venv."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.split()
+    for name in listed:
+        if (ROOT / name).is_file():
+            (into / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, into / name)
+    if (ROOT / ".venv").exists():
+        (into / ".venv").symlink_to(ROOT / ".venv")
+
+
+def run(name: str) -> tuple[str, float]:
+    file, old, new, tests = MUTATIONS[name]
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{name}-") as tmp:
+        copy = Path(tmp)
+        copy_checkout(copy)
+        source = (copy / file).read_text()
+        assert source.count(old) == 1, f"{name}: {old!r} occurs {source.count(old)} times in {file}"
+        (copy / file).write_text(source.replace(old, new))
+        started = time.monotonic()
+        env = {**os.environ, "PYTHONPATH": str(copy)}
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+            cwd=copy,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        verdict = "caught" if done.returncode != 0 else "MISSED"
+        failed = [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+        return f"{verdict}: {failed[0] if failed else done.stdout.strip().splitlines()[-1]}", time.monotonic() - started
+
+
+def main(names: list[str]) -> None:
+    unknown = set(names) - set(MUTATIONS)
+    if unknown:
+        raise SystemExit(f"error: unknown mutation(s) {', '.join(sorted(unknown))}; choose from {', '.join(MUTATIONS)}")
+    results = {}
+    for name in names or MUTATIONS:
+        results[name] = run(name)
+        print(f"{name}: {results[name][0]} ({results[name][1]:.0f} s)", flush=True)
+    print("\n| mutation | file | result |\n|---|---|---|")
+    for name, (result, _) in results.items():
+        print(f"| {name} | {MUTATIONS[name][0]} | {result} |")
+    if any(result.startswith("MISSED") for result, _ in results.values()):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
