@@ -6,7 +6,7 @@
 # NPROC (default 4) processes for each strategy; the reference is `python train_ddp.py` on one process.
 # Every run evaluates every 20 steps (for the accuracy panel) unless you pass --eval-every yourself.
 set -euo pipefail
-source "$(dirname "$0")/common/launch.sh"
+source "$(dirname "$0")/runner/launch.sh"
 OUT=${OUT:-runs/compare}
 for arg in "$@"; do
   if [[ $arg == --out || $arg == --out=* ]]; then
@@ -24,4 +24,4 @@ for strategy in ddp fsdp pippy tp; do
   bash "run_$strategy.sh" "$@" --out "$OUT/$strategy"
 done
 echo "== comparison"
-"$PYTHON" -m common.compare "$OUT/ref" "$OUT/ddp" "$OUT/fsdp" "$OUT/pippy" "$OUT/tp" --out "$OUT/compare.png" --markdown
+"$PYTHON" -m tools.compare "$OUT/ref" "$OUT/ddp" "$OUT/fsdp" "$OUT/pippy" "$OUT/tp" --out "$OUT/compare.png" --markdown

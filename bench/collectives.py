@@ -159,7 +159,7 @@ def parse_args(argv: Sequence[str], world_size: int) -> argparse.Namespace:
 def check_memory(max_bytes: int, processes: int) -> None:
     """The memory wall on the CPU, before any tensor: each process holds up to ~3 messages of --max-bytes at once
     (all_gather: the gathered tensor, its shard, gloo's copy; 2.2 x 256 MiB measured above the runtime)."""
-    from common.memory import available_mib
+    from runner.memory import available_mib
 
     available, need = available_mib(), processes * (RUNTIME_MIB + 3 * max_bytes / 2**20)
     if available is not None and need > available:
@@ -173,7 +173,7 @@ def launch(args: argparse.Namespace, argv: list[str], nproc: int) -> NoReturn:
     """Without torchrun: the flags (`args`, parsed from `argv`) are checked here, so a bad one is one line and exit 2
     before any worker starts (under torchrun a worker's exit 2 becomes torchrun's exit 1 and its report); then
     this process becomes torchrun with `nproc` workers."""
-    from common.memory import gpu_mib
+    from runner.memory import gpu_mib
 
     if gpu_mib() is None:  # no NVIDIA GPU (nvidia-smi says): the workers will hold their messages in this memory
         check_memory(args.max_bytes, nproc)

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 from bench.breakdown import trace_breakdown
 from bench.machine import ROOT, launch_env
 from bench.plan import RunSpec, Settings
-from common.compare import state_bytes_per_rank
+from tools.compare import state_bytes_per_rank
 
 
 def _process_table() -> dict[int, int]:

@@ -25,8 +25,8 @@ from typing import Any, Sequence
 
 from bench.machine import ROOT, launch_env
 from common.config import Config, ConfigError
-from common.memory import MIB_PER_CPU_PROCESS, available_mib, check_memory
 from common.model_sizes import layers, parameter_count, tp_layer_params, tp_pairs
+from runner.memory import MIB_PER_CPU_PROCESS, available_mib, check_memory
 
 VARIANTS = {  # name -> (runner, flags)
     "ddp": ("ddp", []),

@@ -5,7 +5,7 @@ field, and `Config.check` validates everything in one place. A field can be limi
 (`STRATEGY_FLAGS`); the same flag always means the same thing wherever it exists. `common/cli.py` builds
 the command line from the fields.
 
-This module does not import torch, so `common/preflight.py` can validate the flags in a fraction of a
+This module does not import torch, so `runner/preflight.py` can validate the flags in a fraction of a
 second before torchrun starts any worker.
 """
 

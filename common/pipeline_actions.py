@@ -4,7 +4,7 @@
 training action -- forward (F), full backward (B) or its input part (I), weight gradient (W) of a micro-batch
 -- with its start and end on this rank. From those intervals come run.json's bubble section, <out>/bubble.jsonl
 (busy and idle seconds per step and rank) and <out>/timeline.json (the last step's actions, which
-`python -m common.timeline` draws); while --profile-steps is on each action is also a span in the trace
+`python -m tools.timeline` draws); while --profile-steps is on each action is also a span in the trace
 ("forward stage 1 mb 2"). How to read the numbers: docs/pipeline.md, "The bubble".
 """
 

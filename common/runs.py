@@ -1,5 +1,5 @@
 """Run folders: what a resume may change, and never losing a previous run. No torch here, so the
-preflight (common/preflight.py) does the same checks before torchrun starts a worker.
+preflight (runner/preflight.py) does the same checks before torchrun starts a worker.
 
 A checkpoint's meta.json records the run's config and its steps per epoch (common/checkpoint.py). On
 `--resume`, a setting that decides the trajectory must equal the recorded one, or the curve in

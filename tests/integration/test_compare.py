@@ -1,4 +1,4 @@
-"""run_all.sh and common.compare on runs of the real scripts: the figure and the table (the refusal of
+"""run_all.sh and tools.compare on runs of the real scripts: the figure and the table (the refusal of
 mismatched runs is tested on hand-written runs in tests/unit)."""
 
 import re

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from common.preflight import latest_meta
-from common.supervise import children
+from runner.preflight import latest_meta
+from runner.supervise import children
 from tests.helpers import (
     ROOT,
     SMALL,

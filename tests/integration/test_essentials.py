@@ -138,7 +138,7 @@ def test_compare_reports_grad_norm(runs, tmp_path):
         [
             sys.executable,
             "-m",
-            "common.compare",
+            "tools.compare",
             *(str(runs / n) for n in names),
             "--markdown",
             "--out",

@@ -143,7 +143,7 @@ def test_ctrl_c_then_two_preemptions_then_the_run_ends_on_the_uninterrupted_curv
 
 
 def supervisor_pid(out: Path) -> int:
-    return next(pid for pid, argv in processes() if str(out) in argv and "common.supervise" in argv)
+    return next(pid for pid, argv in processes() if str(out) in argv and "runner.supervise" in argv)
 
 
 def torchrun_pid(out: Path) -> int:

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from common.config import SCHEDULES
-from common.timeline import main as timeline_main
 from tests.helpers import SMALL, Run, read_run, run_command
+from tools.timeline import main as timeline_main
 
 STEPS = 3
 SHORT = [*SMALL, "--max-steps", str(STEPS), "--batch-size", "32"]
@@ -88,7 +88,7 @@ def test_the_timeline_renders_for_every_schedule(runs, tmp_path):
             assert 0 <= start < end
         out = tmp_path / f"{schedule}.png"
         if schedule == SCHEDULES[0]:  # the command, as the docs show it
-            run_command([sys.executable, "-m", "common.timeline", str(run), "--out", str(out)], timeout=60)
+            run_command([sys.executable, "-m", "tools.timeline", str(run), "--out", str(out)], timeout=60)
         else:  # the same main() in this process: a Python and matplotlib start-up fewer each
             assert timeline_main([str(run), "--out", str(out)]) == 0
         assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

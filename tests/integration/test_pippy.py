@@ -273,7 +273,7 @@ BAD = [  # (world size, flags, the flag the one line names, a word of the explan
 @pytest.mark.parametrize("world,flags,named,why", BAD, ids=[f"{b[2]}-{i}" for i, b in enumerate(BAD)])
 def test_preflight_rejects_bad_combinations_in_one_line(world, flags, named, why):
     proc = run_command(
-        [sys.executable, "-m", "common.preflight", "pippy", "--world-size", str(world), *flags], check=False, timeout=60
+        [sys.executable, "-m", "runner.preflight", "pippy", "--world-size", str(world), *flags], check=False, timeout=60
     )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr

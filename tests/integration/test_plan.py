@@ -11,9 +11,9 @@ import pytest
 
 from common.cli import parse_config
 from common.config import Config
-from common.memory import planned_peak_bytes
 from planner.measure import plan_rank
 from planner.plan import ranks_to_measure, variant_config
+from runner.memory import planned_peak_bytes
 from tests.helpers import SMALL, Run, read_run, run_command
 
 SIZES = ("baby", "small")
@@ -29,7 +29,7 @@ PEAK_TOLERANCE = 0.15
 # the C allocator's own count (glibc's bytes in use, run.json's allocator_peak_bytes) also holds what torch's kernels
 # allocate for themselves, which no tensor shows: measured here within 0.87 to 1.15 of the planned range
 ALLOCATOR_TOLERANCE = 0.2
-# the memory wall's closed form (common/memory.py: the preflight cannot plan with torch) against the planner
+# the memory wall's closed form (runner/memory.py: the preflight cannot plan with torch) against the planner
 CLOSED_FORM_TOLERANCE = 0.25
 WALL_VARIANTS = (
     "ddp",

@@ -1,5 +1,5 @@
 """Without processes: a checkpoint's files checked against the sizes and checksums its meta.json recorded, the
-fall-back to an older checkpoint when the newest is damaged, and `python -m common.compare` on run folders
+fall-back to an older checkpoint when the newest is damaged, and `python -m tools.compare` on run folders
 written by hand (the table's numbers, the refusal of runs that are not comparable, the figure)."""
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from common.checkpoint import CheckpointError, checkpoint_dir, fingerprint, latest_checkpoint, verify_checkpoint
-from common.compare import differences, load_run, main, table_rows
+from tools.compare import differences, load_run, main, table_rows
 
 
 def write_checkpoint(out: Path, step: int) -> Path:

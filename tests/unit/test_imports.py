@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ("train_ddp.py", "train_fsdp.py", "train_pippy.py", "train_tp.py")
-LAUNCHER_ONLY = {"common.preflight", "common.memory", "common.supervise"}  # the runners' side: no worker needs them
+LAUNCHER_ONLY = {"runner.preflight", "runner.memory", "runner.supervise"}  # the runners' side: no worker needs them
 # Lines of common/ behind train_ddp.py (nanoGPT's train.py needs ~380, the FSDP2 example ~370): 1,500 when the
 # library was cut down from 2,102; since then fp16's loss scaling, in every script's loop, added ~90 (the scaler,
 # the unscale inside the clip, the scale in records and checkpoints, the flags and their checks) and the traffic
@@ -53,12 +53,13 @@ def source(module: str) -> Path:
 def common_closure(path: Path) -> set[str]:
     """The common.* modules that importing `path` loads."""
     seen: set[str] = set()
-    todo = [m for m in imports(path, module_level=True) if m.startswith("common.")]
+    ours = ("common.", "runner.")
+    todo = [m for m in imports(path, module_level=True) if m.startswith(ours)]
     while todo:
         module = todo.pop()
         if module not in seen:
             seen.add(module)
-            todo += [m for m in imports(source(module), module_level=True) if m.startswith("common.")]
+            todo += [m for m in imports(source(module), module_level=True) if m.startswith(ours)]
     return seen
 
 
@@ -82,8 +83,8 @@ def test_no_worker_module_imports_the_launcher(script):
 
 
 def test_the_launcher_loads_no_torch():
-    # the runners' `python -m common.preflight` answers in a fraction of a second because it never loads torch
-    closure = common_closure(source("common.preflight")) | {"common.preflight"}
+    # the runners' `python -m runner.preflight` answers in a fraction of a second because it never loads torch
+    closure = common_closure(source("runner.preflight")) | {"runner.preflight"}
     assert {"common.config", "common.cli", "common.runs"} <= closure
     for module in closure:
         heavy = {m for m in imports(source(module), module_level=True) if m.split(".")[0] in ("torch", "torchvision")}

@@ -4,13 +4,13 @@
 import pytest
 
 from common.config import Config, ConfigError
-from common.memory import check_memory
+from runner.memory import check_memory
 
 
 def test_the_wall_names_what_fits(monkeypatch):
-    import common.memory
+    import runner.memory
 
-    monkeypatch.setattr(common.memory, "available_mib", lambda: 24 * 1024)  # this machine's kind: 24 GiB
+    monkeypatch.setattr(runner.memory, "available_mib", lambda: 24 * 1024)  # this machine's kind: 24 GiB
     cfg = Config(model_size="large")
     with pytest.raises(ConfigError, match="bash run_fsdp.sh --model-size large --shard-units blocks") as refused:
         check_memory(cfg, nproc=4, world_size=4, on_cpu=True)

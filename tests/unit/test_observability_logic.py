@@ -7,7 +7,7 @@ import pytest
 
 from common.config import Config, ConfigError
 from common.profiling import collectives_by_span, comm_overlap, overlap_s, union
-from common.timeline import draw, title
+from tools.timeline import draw, title
 
 
 def op(name, ts, dur, tid=1, cat="cpu_op"):

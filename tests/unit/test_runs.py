@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 
 from common.config import Config, ConfigError
-from common.preflight import finished_line
 from common.runs import FREE, MAY_CHANGE, TRAJECTORY, check_resume, recorded_config, set_aside
+from runner.preflight import finished_line
 
 
 def test_every_config_field_is_classified_exactly_once():

@@ -1,4 +1,4 @@
-"""The runners' supervisor (common/supervise.py) on what torchrun and its workers print when a run fails: a stand-in
+"""The runners' supervisor (runner/supervise.py) on what torchrun and its workers print when a run fails: a stand-in
 for torchrun prints the same lines, so each rule is checked in a fraction of a second. (The real runs, with
 signals, are in tests/integration/test_interruptions.py.)"""
 
@@ -28,11 +28,11 @@ Root Cause (first observed failure):
 
 
 def supervise(tmp_path, stdout: str, stderr: str, code: int) -> subprocess.CompletedProcess:
-    """common.supervise over a stand-in for torchrun that prints `stdout` and `stderr` and exits `code`."""
+    """runner.supervise over a stand-in for torchrun that prints `stdout` and `stderr` and exits `code`."""
     child = f"import sys; print({stdout!r}, end=''); sys.stderr.write({stderr!r}); sys.exit({code})"
     cmd = [sys.executable, "-c", child, "train_ddp.py", "--out", str(tmp_path / "run")]
     return subprocess.run(
-        [sys.executable, "-m", "common.supervise", "--", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "runner.supervise", "--", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
 
 

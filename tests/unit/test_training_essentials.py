@@ -99,7 +99,7 @@ def test_compile_refuses_the_split_backward_schedules(schedule):
 
 
 def test_compile_without_a_cpp_compiler_is_one_line_before_torchrun(monkeypatch, capsys, tmp_path):
-    from common.preflight import main as preflight
+    from runner.preflight import main as preflight
 
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no g++, no clang++
     monkeypatch.delenv("CXX", raising=False)

@@ -53,8 +53,8 @@ preflight() {
   local sizes n
   sizes=$(for ((n = MIN_NODES; n <= MAX_NODES; n++)); do echo $((n * NPROC)); done | paste -sd,)
   local status=0
-  "$PYTHON" -m common.preflight "$strategy" --world-size "$sizes" --nproc "$NPROC" "${prepare[@]}" "$@" || status=$?
-  (( status == 3 )) && exit 0  # the run is already finished: nothing to do (common/preflight.py NOTHING_TO_DO)
+  "$PYTHON" -m runner.preflight "$strategy" --world-size "$sizes" --nproc "$NPROC" "${prepare[@]}" "$@" || status=$?
+  (( status == 3 )) && exit 0  # the run is already finished: nothing to do (runner/preflight.py NOTHING_TO_DO)
   (( status == 0 )) || exit "$status"
 }
 

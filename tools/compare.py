@@ -1,6 +1,6 @@
 """Compare runs: loss curves, accuracy, speed and memory of several run folders in one figure and a table.
 
-    python -m common.compare runs/ref runs/ddp runs/fsdp runs/pippy --out compare.png [--markdown] [--log]
+    python -m tools.compare runs/ref runs/ddp runs/fsdp runs/pippy --out compare.png [--markdown] [--log]
 
 The first run is the reference: the table gives every run's largest per-step |loss - reference loss| and
 largest relative |grad_norm - reference grad_norm| (the pre-clip global gradient norm).
@@ -275,7 +275,7 @@ def plot(runs: Sequence[Run], out: str, *, log_scale: bool) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m common.compare", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.compare", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "runs", nargs="+", help="run folders (with metrics.jsonl and run.json); the first is the reference"
     )

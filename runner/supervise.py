@@ -1,6 +1,6 @@
 """The runners' supervisor: starts torchrun, passes its output on, and says in one line how a run ended.
 
-`run_*.sh` end with `exec python -m common.supervise -- python -m torch.distributed.run ... train_X.py FLAGS`, so
+`run_*.sh` end with `exec python -m runner.supervise -- python -m torch.distributed.run ... train_X.py FLAGS`, so
 this process is the one a terminal, SLURM or Kubernetes signals, and it decides what each process gets, once:
 
 - Ctrl-C (SIGINT) or a closed terminal (SIGHUP): torchrun gets SIGINT and stops its workers at once; then one

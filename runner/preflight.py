@@ -1,6 +1,6 @@
 """Checks the runners make before torchrun starts any worker, so bad input costs one line, not a traceback.
 
-    python -m common.preflight STRATEGY --world-size N[,N...] [--nproc N] [--prepare-out] [training flags]
+    python -m runner.preflight STRATEGY --world-size N[,N...] [--nproc N] [--prepare-out] [training flags]
 
 validates every flag (including the ones that depend on the world size, for each world size an elastic run
 may have) and makes sure a torchvision data set is on disk, downloading it once here when it is missing and
@@ -24,8 +24,8 @@ from common.compiling import require_compiler
 from common.config import STRATEGIES, Config, ConfigError
 from common.data_files import DataMissingError, ensure_data
 from common.errors import fail
-from common.memory import check_memory
 from common.runs import already_done, check_resume, complete_checkpoints, moved_line, set_aside, total_steps
+from runner.memory import check_memory
 
 # Exit status for "the run is already finished": the runner exits 0 without starting torchrun.
 NOTHING_TO_DO = 3
@@ -87,7 +87,7 @@ def _take(args: list[str], flag: str, *, has_value: bool = True) -> str | None:
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in STRATEGIES or "--world-size" not in argv:
-        fail(f"usage: python -m common.preflight {{{','.join(STRATEGIES)}}} --world-size N[,N...] [flags]")
+        fail(f"usage: python -m runner.preflight {{{','.join(STRATEGIES)}}} --world-size N[,N...] [flags]")
     strategy, rest = argv[0], argv[1:]
     world_sizes = [int(n) for n in _take(rest, "--world-size").split(",")]
     nproc = _take(rest, "--nproc")

@@ -1,6 +1,6 @@
 """The pipeline as it ran: one row per rank, every action of the last training step at its measured times.
 
-    python -m common.timeline RUN_DIR --out FILE.png
+    python -m tools.timeline RUN_DIR --out FILE.png
 
 RUN_DIR is a train_pippy.py run folder (it holds timeline.json, written by common/pipeline_actions.py).
 Bars: F forward, B full backward, I backward to the input only, W weight gradient (zero-bubble schedules),
@@ -82,7 +82,7 @@ def draw(timeline: dict[str, Any], out: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m common.timeline", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.timeline", description=__doc__.split("\n")[0])
     parser.add_argument("run_dir", help="a train_pippy.py run folder (with timeline.json)")
     parser.add_argument("--out", default=None, help="the PNG to write (default: RUN_DIR/timeline.png)")
     args = parser.parse_args(argv)
