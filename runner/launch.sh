@@ -3,7 +3,9 @@
 #
 #   NPROC        processes per machine (default 4)
 #   NNODES       machines (default 1); N: exactly N machines, with NODE_RANK and MASTER_ADDR set on each;
-#                MIN:MAX: elastic, between MIN and MAX machines, with MASTER_ADDR set on each (no NODE_RANK)
+#                MIN:MAX: elastic, between MIN and MAX machines, with MASTER_ADDR set on each (NODE_RANK optional)
+#   NODE_RANK    0 on the machine at MASTER_ADDR: its runner hosts the rendezvous store at MASTER_ADDR:MASTER_PORT
+#                (default 29500), every other one connects to it; elastic without NODE_RANK: torch decides by address
 #   MAX_RESTARTS times torchrun restarts the group after a worker fails or a machine joins or leaves
 #                (default 0; 3 with NNODES=MIN:MAX)
 #   RDZV_LAST_CALL_S, RDZV_KEEP_ALIVE_S  elastic only: how long a started group waits for more machines
@@ -65,23 +67,44 @@ RESUME_ARGS=()  # flags the runner puts before the user's: (--resume) for an ela
 if (( MAX_NODES == 1 )); then
   TORCHRUN_ARGS+=(--standalone)
 else
-  if (( MIN_NODES == MAX_NODES )) && { ! [[ "${NODE_RANK:-}" =~ ^[0-9]+$ ]] || (( NODE_RANK >= NNODES )); }; then
+  if (( MIN_NODES == MAX_NODES )) && { ! [[ "${NODE_RANK:-}" =~ ^[0-9]+$ ]] || (( 10#$NODE_RANK >= NNODES )); }; then
     echo "error: NODE_RANK='${NODE_RANK:-}': with NNODES=$NNODES set NODE_RANK to 0..$((NNODES - 1)), a different one on each machine" >&2
+    exit 2
+  fi
+  if (( MIN_NODES < MAX_NODES )) && [[ -n "${NODE_RANK:-}" ]] && ! [[ $NODE_RANK =~ ^[0-9]+$ ]]; then
+    echo "error: NODE_RANK='$NODE_RANK': with NNODES=$NNODES NODE_RANK is optional; set it to 0 on the machine at MASTER_ADDR, which hosts the rendezvous, and to 1, 2, ... on the others" >&2
     exit 2
   fi
   if [[ -z "${MASTER_ADDR:-}" ]]; then
     echo "error: MASTER_ADDR is not set: with NNODES=$NNODES set it to the address of machine 0 on every machine" >&2
     exit 2
   fi
-  TORCHRUN_ARGS+=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}"
+  master_port=${MASTER_PORT:-29500}
+  if ! [[ $master_port =~ ^[0-9]{1,5}$ ]] || (( 10#$master_port < 1 || 10#$master_port > 65535 )); then
+    echo "error: MASTER_PORT=$master_port must be a TCP port, 1..65535, the same on every machine" >&2
+    exit 2
+  fi
+  TORCHRUN_ARGS+=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$((10#$master_port))"
                   --rdzv-id "${RDZV_ID:-babycnn}")
-  if (( MIN_NODES == MAX_NODES )); then
-    TORCHRUN_ARGS+=(--node-rank "$NODE_RANK")
-  else
+  # (no --node-rank: the c10d rendezvous numbers the machines itself, sorted by hostname and process id, and
+  # ignores it with a warning; torch 2.14.1: torch/distributed/run.py, "node_rank is only used for static")
+  RDZV_CONF=()
+  # Who hosts the rendezvous store is told, not guessed: left to torch, every agent whose own address is
+  # MASTER_ADDR tries to host it and the others connect, so of several agents on one machine the first to
+  # bind MASTER_PORT hosts, and the store then dies with whichever machine that was. is_host=1 makes an agent
+  # host the store or fail in one line; is_host=0 makes it wait for the host: torch's read_timeout of 60 s, then
+  # once more after a random delay (~100 s measured) (torch 2.14.1: torch/distributed/elastic/rendezvous/
+  # c10d_rendezvous_backend.py, _create_tcp_store; runner/supervise.py turns either failure into one line).
+  if [[ -n "${NODE_RANK:-}" ]]; then
+    RDZV_CONF+=("is_host=$(( 10#$NODE_RANK == 0 ))")  # (10#: "08" is 8, not a bad octal number)
+  fi
+  if (( MIN_NODES < MAX_NODES )); then
     # Elastic: once MIN machines are in, wait RDZV_LAST_CALL_S for more, then start. When a machine dies, the
     # others' workers fail at their next collective and their agents restart without it once its heartbeats
-    # (every RDZV_KEEP_ALIVE_S) have stopped for 3 intervals: until then it still counts as a member.
-    TORCHRUN_ARGS+=(--rdzv-conf "join_timeout=${RDZV_JOIN_TIMEOUT_S:-600},last_call_timeout=$RDZV_LAST_CALL_S,close_timeout=10,keep_alive_interval=$RDZV_KEEP_ALIVE_S")
+    # (every RDZV_KEEP_ALIVE_S) have stopped for 3 intervals: until then it still counts as a member. The
+    # machine that hosts the store is the exception: without it the others stop (runner/supervise.py says so).
+    RDZV_CONF+=("join_timeout=${RDZV_JOIN_TIMEOUT_S:-600}" "last_call_timeout=$RDZV_LAST_CALL_S" "close_timeout=10"
+                "keep_alive_interval=$RDZV_KEEP_ALIVE_S")
     # A machine that joins a running group would wait for ever for the rendezvous' MASTER_ADDR: an agent
     # that already ran a round keeps its first round's store address and does not publish it again (torch
     # 2.14.1: torch/distributed/elastic/rendezvous/dynamic_rendezvous.py, next_rendezvous). Without the
@@ -91,5 +114,8 @@ else
     # joins without counting a restart (TORCHELASTIC_RESTART_COUNT stays 0), so only --resume tells them to
     # go on from the latest checkpoint instead of starting a new run. --no-resume after it opts out.
     RESUME_ARGS=(--resume)
+  fi
+  if (( ${#RDZV_CONF[@]} > 0 )); then
+    TORCHRUN_ARGS+=(--rdzv-conf "$(IFS=,; echo "${RDZV_CONF[*]}")")
   fi
 fi

@@ -14,6 +14,10 @@ this process is the one a terminal, SLURM or Kubernetes signals, and it decides 
   from the other ranks and torchrun's failure table only repeat it, and are held back; the worker's exit code.
 - A worker killed by SIGKILL, which neither this process nor torchrun sends unasked: on Linux most likely the
   kernel's out-of-memory killer, and the line says so instead of torchrun's table; exit 137.
+- On several machines, the rendezvous store gone (torchrun's RendezvousConnectionError): the machine that hosts
+  it (NODE_RANK=0, at MASTER_ADDR) died or its runner stopped, and no agent can go on without it. One line names
+  the store and says how to continue, instead of the workers' and torchrun's tracebacks; torchrun's exit code. At
+  the start, a store that never answered or could not be hosted is one line too.
 - Anything else is passed on as it is, torchrun's report and tracebacks included: a real error is never hidden.
 
 torchrun runs in a session of its own, so a terminal's Ctrl-C reaches this process alone (not torchrun a second
@@ -42,6 +46,11 @@ TORCHRUN_LOG = re.compile(rb"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ")  # torchrun
 TORCHRUN_SIGNALED = re.compile(rb"Received (?:Signals\.)?(\w+) death signal")  # torchrun itself got a signal
 WORKERS_STOPPED = re.compile(rb"^stopped by SIG\w+ after step \d+")  # the ranks saved and stopped (the scripts)
 ONE_LINE_ERROR = re.compile(rb"^(\[rank \d+\] )?(error: |out of memory )")  # common/distributed.py's `run`
+# torchrun's agent lost its rendezvous store: its heartbeat, its poll of the rendezvous or its shutdown says so in a
+# log line ("... due to an error of type RendezvousConnectionError"), or its closing traceback ends with it
+STORE_LOST = b"RendezvousConnectionError"
+# the exception under torchrun's RendezvousConnectionError, e.g. "torch.distributed.DistNetworkError: ... EADDRINUSE"
+STORE_CAUSE = re.compile(r"^torch\.distributed\.\w+: (.+)$", re.M)
 ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
 FAILURE = re.compile(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)  # each worker in torchrun's table
 HOLD_S = 3.0
@@ -67,6 +76,11 @@ class Supervisor:
         self.held: list[bytes] = []
         self.held_since = 0.0
         self.tail: list[bytes] | None = None  # torchrun's closing traceback, from its first line on
+        self.store_lost = False  # torchrun's agent said it lost the rendezvous store: what follows, follows from it
+        torchrun = cmd[:script]
+        self.endpoint = _option(torchrun, "--rdzv-endpoint")  # MASTER_ADDR:MASTER_PORT on several machines
+        conf = dict(kv.split("=", 1) for kv in (_option(torchrun, "--rdzv-conf") or "").split(",") if "=" in kv)
+        self.is_host = conf.get("is_host")  # "1" on NODE_RANK=0, "0" elsewhere, None: torch decides by address
         self.maybe_traceback: bytes | None = None
 
     # ---------------------------------------------------------------- signals
@@ -118,11 +132,13 @@ class Supervisor:
             self.explained = True  # what follows on stderr repeats it: held back
             _write(sys.stderr.buffer, line)
         else:  # held until the workers go on, or a few quiet seconds pass: see `run`
+            if TORCHRUN_LOG.match(line) and STORE_LOST in line:
+                self.store_lost = True  # then held to the end, with the workers' "Connection reset" before it: `end`
             self.held.append(line)
             self.held_since = self.held_since or time.monotonic()
 
     def _flush_held(self) -> None:
-        if self.held and not (self.explained or self.stopping):
+        if self.held and not (self.explained or self.stopping or self.store_lost):
             for held in self.held:
                 _write(sys.stderr.buffer, held)
             self.held.clear()
@@ -166,10 +182,12 @@ class Supervisor:
         if self.stopping and (self.saved or code != 0):  # (a signal during the final evaluation lets the run end)
             print(f"stopped by {self.stopping} {self.where()}; {self.continue_with()}", file=sys.stderr, flush=True)
             return 128 + signal.Signals[self.stopping].value
-        if code != 0 and (cause := ROOT_CAUSE.search(tail)):
-            worker_code = int(cause.group(2))
-            if self.explained:
-                return worker_code if worker_code > 0 else 1
+        cause = ROOT_CAUSE.search(tail) if code != 0 else None
+        store_lost = code != 0 and (self.store_lost or STORE_LOST.decode() in tail)
+        if self.explained and (cause or store_lost):  # (a store gone after a worker's error follows from it: a
+            worker_code = int(cause.group(2)) if cause else code  # peer on the host machine failed too, and left)
+            return worker_code if worker_code > 0 else 1
+        if cause:
             # torchrun's "root cause" is the earliest failure to the second: a peer's collective error, seen in the
             # same poll as the SIGKILL that caused it, can take its place. Any SIGKILL in the table is the cause.
             killed = [int(rank) for rank, exit_code in FAILURE.findall(tail) if int(exit_code) == -signal.SIGKILL]
@@ -182,9 +200,33 @@ class Supervisor:
                     file=sys.stderr,
                 )
                 return 128 + signal.SIGKILL
+        if store_lost and self.endpoint:
+            print(self.store_line(tail), file=sys.stderr)
+            return code
         for line in [*self.held, *(self.tail or [])]:  # a real failure: torchrun's report, as it wrote it
             _write(sys.stderr.buffer, line)
         return code
+
+    def store_line(self, tail: str) -> str:
+        """The one line for a rendezvous store that is gone, never answered, or could not be hosted here."""
+        host = f"the runner {'with NODE_RANK=0 ' if self.is_host is not None else ''}on MASTER_ADDR"
+        cause = STORE_CAUSE.search(tail)
+        why = f" ({cause.group(1).strip().rstrip('.')})" if cause else ""
+        if "_create_tcp_store" not in tail:  # torchrun had connected to it: the run had started
+            return (
+                f"error: the rendezvous store at {self.endpoint} is gone{why}: {host}, which hosts it, died or stopped"
+                f" (its own output says why), and the others cannot go on without it; {self.where()}; start that"
+                f" runner again, then here {self.continue_with()}"
+            )
+        if self.is_host == "1":
+            return (
+                f"error: this runner (NODE_RANK=0) could not host the rendezvous store at {self.endpoint}{why}: is"
+                " another run using MASTER_PORT? Choose a free MASTER_PORT, the same on every machine"
+            )
+        return (
+            f"error: no rendezvous store answered at {self.endpoint}{why}: start {host} (it hosts the store; the"
+            " others wait a minute or two for it), with the same MASTER_ADDR and MASTER_PORT on every machine"
+        )
 
     def where(self) -> str:
         """ "at step N (the latest checkpoint is ...)": from metrics.jsonl and the checkpoints."""
@@ -203,6 +245,17 @@ class Supervisor:
         env = [f"{k}={shlex.quote(os.environ[k])}" for k in RUNNER_ENV if k in os.environ]
         runner = shlex.join(["bash", f"run_{self.strategy}.sh", *flags, "--resume"])
         return f"continue with: {' '.join([*env, runner])}"
+
+
+def _option(args: list[str], name: str) -> str | None:
+    """The value of torchrun's option `name` in `args` ("--rdzv-endpoint H:P", "--rdzv_endpoint=H:P"), or None."""
+    names = (name, "--" + name[2:].replace("-", "_"))
+    for i, arg in enumerate(args):
+        if arg in names and i + 1 < len(args):
+            return args[i + 1]
+        if arg.split("=", 1)[0] in names and "=" in arg:
+            return arg.split("=", 1)[1]
+    return None
 
 
 def children(pid: int) -> list[int]:

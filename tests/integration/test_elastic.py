@@ -2,7 +2,8 @@
 meet through the c10d rendezvous. With FSDP, one "machine" starts alone and a second one joins: the group
 resumes on 4 processes. With DDP, two train together and the second dies (its agent and its workers SIGKILLed
 at once): the survivor resumes alone from the 4-process checkpoint, with the same global batch. Both finish the
-curve of one process."""
+curve of one process. The store of the rendezvous is hosted by the agent given NODE_RANK=0, even when another started
+first, and when that one dies the other's runner says so in one line."""
 
 import contextlib
 import os
@@ -115,6 +116,23 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def listener(port: int) -> int | None:
+    """The process that listens on TCP `port` on this machine: the socket in /proc/net/tcp{,6}, then the process that
+    holds it open. None if nothing listens."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for row in Path(table).read_text().splitlines()[1:]:  # "sl local_address rem_address st ... inode"
+                fields = row.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                    inodes.add(f"socket:[{fields[9]}]")
+    for pid in filter(str.isdigit, os.listdir("/proc")) if inodes else []:
+        with contextlib.suppress(OSError):  # another user's process, or one that exited meanwhile
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd")):
+                return int(pid)
+    return None
+
+
 def test_a_machine_joins_and_the_group_grows(reference, tmp_path):
     """FSDP, whose checkpoints are resharded when the world grows: one machine trains alone on 2 processes; a second
     comes, the first agent sees it waiting and restarts its workers, and the group of 4 resumes from the latest
@@ -174,6 +192,12 @@ def test_a_machine_dies_and_the_survivor_finishes(reference, tmp_path):
         ("run_fsdp.sh", {"NNODES": "2:1"}, "NNODES=2:1: MIN:MAX needs"),
         ("run_ddp.sh", {"NNODES": "1:2"}, "MASTER_ADDR is not set"),
         ("run_fsdp.sh", {"NNODES": "1:2", "RDZV_KEEP_ALIVE_S": "0.5"}, "RDZV_KEEP_ALIVE_S=0.5 must be a whole number"),
+        ("run_ddp.sh", {"NNODES": "1:2", "MASTER_ADDR": "127.0.0.1", "NODE_RANK": "first"}, "NODE_RANK='first': with"),
+        (
+            "run_ddp.sh",
+            {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "70000"},
+            "MASTER_PORT=70000",
+        ),
         ("run_pippy.sh", {"NNODES": "1:2", "MASTER_ADDR": "127.0.0.1"}, "NNODES=1:2: elastic training is supported"),
         ("run_tp.sh", {"NNODES": "1:2", "MASTER_ADDR": "127.0.0.1"}, "NNODES=1:2: elastic training is supported"),
     ],
@@ -183,3 +207,36 @@ def test_runner_refuses_what_it_cannot_launch_in_one_line(script, env, named):
     assert proc.returncode == 2 and proc.stdout == ""
     [line] = proc.stderr.splitlines()
     assert line.startswith("error: ") and named in line
+
+
+def test_node_rank_0_hosts_the_store_and_its_death_is_one_line(tmp_path):
+    """Two agents with NODE_RANK (optional with NNODES=MIN:MAX) on one machine, where both match MASTER_ADDR: the one
+    with NODE_RANK=1 starts first and waits for the store instead of taking it (left to torch, the first to bind
+    hosts); the one with NODE_RANK=0, started second, hosts it, and the two train as one group of 4. Then the host
+    dies, agent and workers at once: the other's runner ends in one line that names the store, with no traceback."""
+    out, port, logs = tmp_path / "elastic", free_port(), (tmp_path / "joins.log", tmp_path / "hosts.log")
+    # LOGLEVEL=INFO: torchrun says when it starts its agent, just before the agent connects to or hosts the store
+    joins, hosts = start_agent("ddp", out, port, logs[0], NODE_RANK="1", LOGLEVEL="INFO", RDZV_LAST_CALL_S="5"), None
+    try:
+        wait_for(lambda: "Starting elastic_operator" in logs[0].read_text(), joins, logs[0])
+        # (the runner holds torchrun's lines ~3 s before it passes them on: by now the agent is at the store)
+        assert not listening(port), "NODE_RANK=1 took the rendezvous store"
+        hosts = start_agent("ddp", out, port, logs[1], NODE_RANK="0", RDZV_LAST_CALL_S="5")
+        wait_for(lambda: trained_past_a_checkpoint_of(out, world_size=4), joins, logs[0])
+        torchrun = children(hosts.pid)  # the runner's torchrun (the runner execs runner.supervise, which starts it)
+        assert listener(port) in torchrun, f"not NODE_RANK=0's torchrun {torchrun} but {listener(port)} hosts the store"
+        kill_machine(hosts)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            joins.wait(timeout=120)  # a deadline: its agent finds the store gone within a second or two
+        assert joins.returncode not in (None, 0), logs[0].read_text()[-4000:]
+    finally:
+        kill_machine(joins)
+        if hosts:
+            kill_machine(hosts)
+    printed = logs[0].read_text()
+    errors = [line for line in printed.splitlines() if line.startswith("error")]
+    # held back: the workers' "Connection reset" tracebacks, torch's C++ frames, the agent's RendezvousConnectionError
+    assert len(errors) == 1 and not re.search(r"Traceback|frame #|\w+Error\b", printed), printed[-6000:]
+    assert errors[0].startswith(f"error: the rendezvous store at 127.0.0.1:{port} is gone"), errors[0]
+    assert "the runner with NODE_RANK=0 on MASTER_ADDR, which hosts it, died or stopped" in errors[0]
+    assert errors[0].endswith(f"bash run_ddp.sh {' '.join(ELASTIC)} --out {out} --resume"), errors[0]

@@ -27,10 +27,13 @@ Root Cause (first observed failure):
 """
 
 
-def supervise(tmp_path, stdout: str, stderr: str, code: int) -> subprocess.CompletedProcess:
-    """runner.supervise over a stand-in for torchrun that prints `stdout` and `stderr` and exits `code`."""
+def supervise(
+    tmp_path, stdout: str, stderr: str, code: int, torchrun: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
+    """runner.supervise over a stand-in for torchrun that prints `stdout` and `stderr` and exits `code`; `torchrun`:
+    torchrun's options before the script, as runner/launch.sh passes them (the stand-in ignores them)."""
     child = f"import sys; print({stdout!r}, end=''); sys.stderr.write({stderr!r}); sys.exit({code})"
-    cmd = [sys.executable, "-c", child, "train_ddp.py", "--out", str(tmp_path / "run")]
+    cmd = [sys.executable, "-c", child, *torchrun, "train_ddp.py", "--out", str(tmp_path / "run")]
     return subprocess.run(
         [sys.executable, "-m", "runner.supervise", "--", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
@@ -79,3 +82,98 @@ Root Cause (first observed failure):
 """
     done = supervise(tmp_path, "", WORKER_TRACEBACK + report, 1)
     assert done.returncode == 137 and done.stderr.startswith("error: rank 1 was killed by SIGKILL"), done.stderr
+
+
+# --------------------------------------------------------------------------- the rendezvous store (several machines)
+# torchrun's options on a machine other than NODE_RANK=0 (runner/launch.sh)
+JOINS = ("--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29500", "--rdzv-conf", "is_host=0")
+PEER_GONE = """[rank2]: Traceback (most recent call last):
+[rank2]:   File "/x/train_ddp.py", line 155, in train
+[rank2]: RuntimeError: [../gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:41866: Connection reset by peer.
+"""
+# what torchrun 2.14.1 printed when the machine hosting the store was SIGKILLed (tests/integration/test_elastic.py),
+# its paths and C++ frames cut short
+STORE_GONE = """[W1124 17:21:21.659438830 TCPStore.cpp:138] [c10d] recvValueWithTimeout failed on SocketImpl(fd=3): \
+Failed to recv, got 0 bytes. Connection was likely closed. Did the remote server shutdown or crash?
+Exception raised from recvBytes at /x/torch/csrc/distributed/c10d/Utils.hpp:790 (most recent call first):
+frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x9d (0x7f344135e60d in /x/torch/lib/libc10.so)
+
+W1124 17:21:21.689000 21197 /x/dynamic_rendezvous.py:1346] The node 'localhost_21197_0' has failed to send a \
+keep-alive heartbeat to the rendezvous 'babycnn' due to an error of type RendezvousConnectionError.
+W1124 17:21:21.880000 21197 /x/multiprocessing/api.py:1028] Sending process 21247 closing signal SIGTERM
+Traceback (most recent call last):
+  File "/x/torch/distributed/elastic/rendezvous/c10d_rendezvous_backend.py", line 114, in _call_store
+    return getattr(self._store, store_op)(*args, **kwargs)
+torch.distributed.DistNetworkError: Broken pipe
+
+The above exception was the direct cause of the following exception:
+
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "/x/torch/distributed/elastic/rendezvous/dynamic_rendezvous.py", line 1269, in num_nodes_waiting
+    self._state_holder.sync()
+torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the C10d store has failed. \
+See inner exception for details.
+"""
+# NNODES=2, no restarts: torchrun reports the workers' failure, after its shutdown found the store gone
+SHUTDOWN_FAILED = """W1124 17:30:02.112000 3301 /x/dynamic_rendezvous.py:1298] The node 'localhost_3301_0' has \
+failed to shutdown the rendezvous 'babycnn' due to an error of type RendezvousConnectionError.
+"""
+
+
+@pytest.mark.parametrize("ending", ["elastic", "fixed"])
+def test_the_store_gone_is_one_line_naming_it(tmp_path, ending):
+    """The machine with NODE_RANK=0 died: the survivors' workers lose their peers and their agent its rendezvous store.
+    One line names the store and the runner that hosts it, and how to continue; no traceback."""
+    stderr = PEER_GONE + (STORE_GONE if ending == "elastic" else SHUTDOWN_FAILED + TORCHRUN_REPORT.format(code=1))
+    done = supervise(tmp_path, "", stderr, 1, JOINS)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("error: the rendezvous store at 127.0.0.1:29500 is gone"), line
+    assert "the runner with NODE_RANK=0 on MASTER_ADDR, which hosts it, died or stopped" in line
+    assert line.endswith(f"bash run_ddp.sh --out {tmp_path / 'run'} --resume")
+
+
+def test_a_worker_s_own_error_is_not_blamed_on_the_store(tmp_path):
+    """A rank said what went wrong, the run ended on every machine, and this agent found the store gone as it left:
+    the worker's line is the one line."""
+    line = "[rank 2] error: the loss is nan at step 3; lower --lr or use --precision fp32\n"
+    done = supervise(tmp_path, "", line + PEER_GONE + STORE_GONE, 1, JOINS)
+    assert done.returncode == 1 and done.stderr == line
+
+
+STARTUP = """Traceback (most recent call last):
+  File "/x/torch/distributed/elastic/rendezvous/c10d_rendezvous_backend.py", line 156, in _create_tcp_store
+    store = TCPStore(
+torch.distributed.DistNetworkError: {inner}
+
+The above exception was the direct cause of the following exception:
+
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "/x/torch/distributed/elastic/rendezvous/c10d_rendezvous_backend.py", line 180, in _create_tcp_store
+torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the C10d store has failed.
+"""
+
+
+@pytest.mark.parametrize(
+    "is_host, inner, named",
+    [
+        (
+            "0",
+            "The client socket has timed out after 60000ms while trying to connect to (127.0.0.1, 29500).",
+            "no rendezvous store answered at 127.0.0.1:29500",
+        ),
+        (
+            "1",
+            "The server socket has failed to listen on any local network address. port: 29500, name: EADDRINUSE",
+            "could not host the rendezvous store at 127.0.0.1:29500",
+        ),
+    ],
+)
+def test_a_store_that_is_not_there_at_the_start_is_one_line(tmp_path, is_host, inner, named):
+    torchrun = (*JOINS[:-1], f"is_host={is_host},join_timeout=600")
+    done = supervise(tmp_path, "", STARTUP.format(inner=inner), 1, torchrun)
+    assert done.returncode == 1
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("error: ") and named in line and inner.rstrip(".") in line, line
