@@ -110,22 +110,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                 log.write(json.dumps(record) + "\n")
                 log.flush()
     memory = {"rank": rank, **measure_memory(model.parameters(), optimizer, torch.device("cpu"))}
-    per_rank: list[Any] = [None] * world_size
+    per_rank: list[Any] = [memory] * world_size
     if distributed:
         dist.all_gather_object(per_rank, memory)
-    else:
-        per_rank = [memory]
     if rank == 0:
         log.close()
-        write_run_json(
-            args.out,
-            strategy="baseline",
-            world_size=world_size,
-            threads_per_process=torch.get_num_threads(),
-            config=vars(args),
-            final={"wall_time_s": time.perf_counter() - started_run},
-            memory={"per_rank": per_rank},
-        )
+        final, threads = {"wall_time_s": time.perf_counter() - started_run}, torch.get_num_threads()
+        run = dict(strategy="baseline", world_size=world_size, threads_per_process=threads, config=vars(args))
+        write_run_json(args.out, **run, final=final, memory={"per_rank": per_rank})
     if distributed:
         dist.barrier()
         dist.destroy_process_group()

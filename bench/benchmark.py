@@ -1,51 +1,36 @@
 """Benchmark: every strategy against a conventional baseline and against the machine's matmul peak.
 
     python -m bench                      # the default suite (~10 min on 2 cores): runs/bench/bench.{json,md}
-    python -m bench --all                # + every mode on 4 processes, more bf16, compile
+    python -m bench --all                # + every mode on 4 processes, more bf16
     python -m bench --wait-quiet 600     # first wait (up to 600 s) until the 1-min load average is < 1
     python -m bench --only ddp,baseline --procs 1,2 --timed-steps 10
     python -m bench --quick              # seconds: tiny settings, for the smoke test
 
-What it does, in this order (each step's code is in the module named):
-1. Ceilings (bench/ceilings.py): the matmul peak (a large square matmul, best of several) in fp32 and bf16,
-   with 1 thread and with all cores, the ceiling that "achieved FLOP/s" is a fraction of; BabyCNN's training
-   FLOPs per sample, counted analytically (forward 2 x MACs of every Conv2d/Linear; backward twice that,
-   except the first layer, whose input needs no gradient).
-2. In-process measurements (bench/micro.py), each in a fresh process: the fast paths on the single-process
-   step, interleaved so that noise hits them alike (channels_last, bf16 autocast, fused AdamW,
-   torch.compile); a torch.profiler op table; oneDNN's kernels for conv2; what `train_ddp.py` imports.
-3. Launches (bench/plan.py, bench/launches.py): the real scripts (`python train_x.py` for 1 process,
-   `python -m torch.distributed.run --standalone --nproc-per-node N train_x.py` otherwise, `bash run_ddp.sh`
-   for the default-length runs), and the conventional baseline (bench/baseline.py: DataLoader over a Dataset
-   of PIL images with ToTensor + Normalize per sample, DistributedSampler with set_epoch, DDP, default
-   threads) at the same global batch and process count. From each run's metrics.jsonl, after --warmup-steps,
-   over --timed-steps: samples/s, median step time and its spread; from the launch to the first metrics
-   record (polled every 20 ms); each rank's tensor memory (run.json) and peak RSS (/proc VmHWM, polled).
-   The 1-process DDP run (and, in the full plan, one rank's share of the largest DDP run) then profiles a
-   few more steps: where a step goes, from the script's own profiler spans (bench/breakdown.py).
-4. Writes bench.json (everything) and bench.md (the tables the README shows; bench/report.py).
-
-Sub-command used by the in-process measurements: `micro-worker` (one measurement in a fresh process).
-
-Timing on a shared machine is noise: the JSON records the load average before and after, and the
-Markdown says when the machine was not quiet. So is a single launch (5-10 % from one to the next): the runs
-the acceptance compares go in --repeats rounds, and each ratio to the baseline is also taken round by round.
+The ceilings (bench/ceilings.py), the bare step in fresh processes (bench/micro.py), then the real scripts and the
+baseline, launched as bench/plan.py says (bench/launches.py), in --repeats rounds: a launch's speed moves by
+5-10 %. Writes bench.json and bench.md (bench/report.py); docs/performance.md says what each number is.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import shutil
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from bench.breakdown import trace_breakdown
 from bench.ceilings import machine_peaks, model_flops, pipeline_ceiling
-from bench.launches import launch_all
+from bench.launches import failure, launch, read_run_json, records, run_json_facts, timing_stats
 from bench.machine import LoadWatch, wait_until_quiet
-from bench.micro import measure_in_process, micro_worker
+from bench.micro import measure_in_process
 from bench.plan import RunSpec, Settings, default_plan, quick_plan
 from bench.report import annotate, markdown, scaling_table
+
+Say = Callable[[str], None]
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -54,46 +39,25 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--out", default="runs/bench", help="where bench.json, bench.md and the run folders go")
-    parser.add_argument("--procs", default="1,2,4", help="process counts for the scaling runs")
-    parser.add_argument("--only", default="", help="comma-separated strategies to launch (baseline,ddp,fsdp,pippy)")
-    parser.add_argument("--batch-size", type=int, default=128, help="global batch of every run")
-    parser.add_argument("--warmup-steps", type=int, default=3)
-    parser.add_argument("--timed-steps", type=int, default=30)
-    parser.add_argument(
-        "--repeats",
-        type=int,
-        default=0,
-        help="rounds of the runs the acceptance compares (baseline, DDP, FSDP full, pipeline 1F1B at "
-        "every process count); each row reports its median launch (0: 3; --quick: 1)",
-    )
-    parser.add_argument(
-        "--modes-procs",
-        type=int,
-        default=2,
-        help="processes for the FSDP modes and pipeline schedules beyond the scaling runs (--all: the most)",
-    )
-    parser.add_argument(
-        "--test-size", type=int, default=256, help="test set of the short runs (evaluated once, after timing)"
-    )
-    parser.add_argument("--no-full-runs", action="store_true", help="run bf16 DDP short too, not the whole default run")
-    parser.add_argument("--no-bf16", action="store_true", help="skip the bf16 launches")
-    parser.add_argument(
-        "--compile", action="store_true", help="add torch.compile variants to the fast paths (slow to compile)"
-    )
-    parser.add_argument(
-        "--all",
-        action="store_true",
-        help="also FSDP and pipeline in bf16, every mode and schedule "
-        "on the most processes, a bf16 profile and --compile",
-    )
-    parser.add_argument("--micro-only", action="store_true", help="only the in-process measurements, no launches")
-    parser.add_argument("--no-micro", action="store_true", help="only the launches, no in-process measurements")
-    parser.add_argument("--quick", action="store_true", help="tiny settings: a smoke test of the benchmark itself")
-    parser.add_argument("--wait-quiet", type=float, default=0, help="wait up to this many seconds for load < 1 first")
-    parser.add_argument("--timeout-s", type=float, default=300, help="per launch")
+    add = parser.add_argument
+    add("--out", default="runs/bench", help="where bench.json, bench.md and the run folders go")
+    add("--procs", default="1,2,4", help="process counts for the scaling runs")
+    add("--only", default="", help="comma-separated strategies to launch (baseline,ddp,fsdp,pippy)")
+    add("--batch-size", type=int, default=128, help="global batch of every run")
+    add("--warmup-steps", type=int, default=3)
+    add("--timed-steps", type=int, default=30)
+    add("--repeats", type=int, default=0, help="rounds of the scaling runs, a row their median (0: 3; --quick: 1)")
+    add("--modes-procs", type=int, default=2, help="processes for the other FSDP modes and pipeline schedules")
+    add("--test-size", type=int, default=256, help="test set of the short runs (evaluated once, after timing)")
+    add("--no-full-runs", action="store_true", help="run bf16 DDP short too, not the whole default run")
+    add("--no-bf16", action="store_true", help="skip the bf16 launches")
+    add("--all", action="store_true", help="+ FSDP/pipeline in bf16, every mode on the most processes, bf16 profile")
+    add("--micro-only", action="store_true", help="only the in-process measurements, no launches")
+    add("--no-micro", action="store_true", help="only the launches, no in-process measurements")
+    add("--quick", action="store_true", help="tiny settings: a smoke test of the benchmark itself")
+    add("--wait-quiet", type=float, default=0, help="wait up to this many seconds for load < 1 first")
+    add("--timeout-s", type=float, default=300, help="per launch")
     args = parser.parse_args(argv)
-    args.compile = args.compile or args.all
     args.repeats = args.repeats or (1 if args.quick else 3)
     if args.quick:  # a smoke test of the benchmark, not a measurement
         args.batch_size, args.warmup_steps, args.timed_steps = 32, 2, 3
@@ -105,20 +69,88 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def plan_of(args: argparse.Namespace) -> list[RunSpec]:
     procs = [int(p) for p in args.procs.split(",")]
-    if args.quick:
-        plan = quick_plan()
-    else:
-        plan = default_plan(
-            procs,
-            batch_size=args.batch_size,
-            modes_procs=max(procs) if args.all else args.modes_procs,
-            full_runs=not args.no_full_runs,
-            threads_check=True,
-            bf16=not args.no_bf16,
-            more_bf16=args.all,
-        )
+    modes_procs = max(procs) if args.all else args.modes_procs
+    runs = dict(modes_procs=modes_procs, full_runs=not args.no_full_runs, bf16=not args.no_bf16, more_bf16=args.all)
+    plan = quick_plan() if args.quick else default_plan(procs, batch_size=args.batch_size, threads_check=True, **runs)
     wanted = set(args.only.split(",")) if args.only else None
     return [spec for spec in plan if wanted is None or spec.strategy in wanted]
+
+
+def launch_settings(args: argparse.Namespace) -> Settings:
+    test_size, train_size = (64, args.train_size) if args.quick else (args.test_size, 0)  # 0: the scripts' default
+    return Settings(args.batch_size, args.warmup_steps, args.timed_steps, test_size, train_size)
+
+
+def step_breakdown(spec: RunSpec, row: dict[str, Any], out: Path, s: Settings) -> dict[str, Any]:
+    """The step breakdown of a run that profiled steps after its timed ones, from rank 0's trace."""
+    about = {
+        "run": spec.name,
+        "command": row["command"],
+        "batch_size": spec.global_batch(s) // spec.nproc,  # per process
+        "threads": row.get("threads_per_process"),
+        "precision": spec.precision,
+        "profiled_steps": list(spec.profiled(s) or ()),
+        # the same run's timed steps, which ran without the profiler: what the profiler's own cost adds up to
+        "timed_step_ms": 1e3 * row["step_time_s"]["median"] if row.get("step_time_s") else None,
+    }
+    try:
+        return {**about, **trace_breakdown(out / "traces" / "rank0.json")}
+    except (OSError, KeyError, ValueError) as error:  # a measurement missing, not a benchmark stopped
+        return {**about, "error": f"{type(error).__name__}: {error}"}
+
+
+def run_one(spec: RunSpec, s: Settings, *, work: Path, timeout_s: float, attempt: int = 0) -> dict[str, Any]:
+    """Launch `spec` once, into work/<its folder>, and return its row."""
+    out = work / re.sub(r"[^A-Za-z0-9_.-]+", "_", spec.folder + (f"_launch{attempt}" if attempt else ""))
+    shutil.rmtree(out, ignore_errors=True)
+    row: dict[str, Any] = {**asdict(spec), "out": str(out)}
+    cmd = spec.command(s, out)
+    row["command"] = " ".join(cmd).replace(sys.executable, "python")
+    profiled = spec.profiled(s)
+    rss_until = profiled[0] - 1 if profiled else None  # the evaluation before the profiled steps (RunSpec.flags)
+    row.update(launch(cmd, out=out, nproc=spec.nproc, timeout_s=timeout_s, rss_until_eval_at=rss_until))
+    if row["returncode"] != 0:
+        return {**row, "ok": False, "error": failure(out, row["returncode"])}
+    row["ok"] = True
+    train = records(out)
+    timed = None if spec.full else s.timed  # the full run: every step after the warm-up
+    row.update(timing_stats(train, warmup=s.warmup, timed=timed, batch_size=spec.global_batch(s)))
+    if train and row["first_record_s"] is not None:
+        row["launch_to_first_step_s"] = row["first_record_s"] - train[0]["step_time_s"]
+    info = read_run_json(out)
+    row.update(run_json_facts(info) if info else {})
+    if spec.profile_steps:
+        row["step_breakdown"] = step_breakdown(spec, row, out, s)
+    return row
+
+
+def launch_all(
+    plan: Sequence[RunSpec], s: Settings, *, work: Path, repeats: int, timeout_s: float, say: Say
+) -> list[dict[str, Any]]:
+    """One row per run of `plan`, in its order. The runs the acceptance compares (`scaling`) are launched
+    `repeats` times, in rounds (every one of them once, then again): a launch's speed moves by 5-10 % with the
+    machine's state and the allocator's history, and rounds let that noise hit the baseline and the
+    strategies alike. Each such row is its median launch, with every launch's samples/s in round order."""
+    order = [(i, spec) for i in range(repeats) for spec in plan if spec.scaling]
+    order += [(0, spec) for spec in plan if not spec.scaling]
+    launches: dict[int, list[dict[str, Any]]] = {id(spec): [] for spec in plan}
+    for i, spec in order:
+        rounds = f", round {i + 1} of {repeats}" if spec.scaling and repeats > 1 else ""
+        say(f"{spec.name} {spec.precision} x{spec.nproc} ({spec.launcher}){rounds}")
+        row = run_one(spec, s, work=work, timeout_s=timeout_s, attempt=i)
+        median_ms = 1e3 * row.get("step_time_s", {}).get("median", 0)
+        ran = f"{row.get('samples_per_s', 0):.0f} samples/s, median step {median_ms:.1f} ms"
+        say(f"  {ran}" if row["ok"] else f"  failed: {row['error']}")
+        launches[id(spec)].append(row)
+    rows = []
+    for spec in plan:
+        attempts = launches[id(spec)]
+        done = sorted((a for a in attempts if a["ok"]), key=lambda a: a["samples_per_s"])
+        row = done[len(done) // 2] if done else attempts[0]
+        if len(attempts) > 1:  # in round order
+            row["samples_per_s_of_each_launch"] = [a.get("samples_per_s") for a in attempts]
+        rows.append(row)
+    return rows
 
 
 def summarize(report: dict[str, Any], rows: list[dict[str, Any]]) -> None:
@@ -135,49 +167,29 @@ def summarize(report: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     )
 
 
-def launch_settings(args: argparse.Namespace) -> Settings:
-    return Settings(
-        batch_size=args.batch_size,
-        warmup=args.warmup_steps,
-        timed=args.timed_steps,
-        test_size=64 if args.quick else args.test_size,
-        train_size=args.train_size if args.quick else 0,  # 0: the scripts' default data set (see Settings)
-    )
-
-
-def write_report(report: dict[str, Any], out: Path) -> None:
-    (out / "bench.json").write_text(json.dumps(report, indent=1))
-    (out / "bench.md").write_text(markdown(report))
-
-
 def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["micro-worker"]:
-        micro_worker(argv[1:])
-        return
-    args = parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     import torch
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     watch = LoadWatch(quiet_wait=wait_until_quiet(args.wait_quiet) if args.wait_quiet else None)
-    say: Callable[[str], None] = lambda message: print(f"[bench {watch.elapsed_s():6.1f} s] {message}", flush=True)
+    say: Say = lambda message: print(f"[bench {watch.elapsed_s():6.1f} s] {message}", flush=True)
     report: dict[str, Any] = {"settings": dict(vars(args))}
-
     say("ceilings: matmul peak, model FLOPs")
     report.update(machine_peaks(n=args.peak_n, repeats=args.peak_repeats))
     report["model"] = model_flops()
     if not (args.quick or args.no_micro):  # the smoke test measures nothing in-process
-        micro = dict(batch_size=args.batch_size, train_size=args.train_size, compile=args.compile, everything=args.all)
-        report.update(measure_in_process(**micro, out=out, say=say))
+        sizes = dict(batch_size=args.batch_size, train_size=args.train_size)
+        report.update(measure_in_process(**sizes, everything=args.all, out=out, say=say))
     rows = []
     if not args.micro_only:
-        rows = launch_all(
-            plan_of(args), launch_settings(args), work=out, repeats=args.repeats, timeout_s=args.timeout_s, say=say
-        )
+        runs = dict(work=out, repeats=args.repeats, timeout_s=args.timeout_s, say=say)
+        rows = launch_all(plan_of(args), launch_settings(args), **runs)
     summarize(report, rows)
     report["machine"] = watch.summary(torch.__version__)
-    write_report(report, out)
+    (out / "bench.json").write_text(json.dumps(report, indent=1))
+    (out / "bench.md").write_text(markdown(report))
     say(f"wrote {out / 'bench.json'} and {out / 'bench.md'}")
     print(markdown(report))
 

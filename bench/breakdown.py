@@ -5,10 +5,8 @@ In each profiled step the scripts mark spans (`recorder.span(...)` in train_ddp.
 trace): `step N` is the whole step, from the top of the loop to after its metrics record, and inside it
 `data`, `forward`, `backward`, `optimizer` and `metrics` (the recorder writing metrics.jsonl and the console).
 What is left of the step, "other", is what the loop does between them: setting the learning rate,
-zero_grad, gradient clipping and the loss all-reduce (`global_mean`).
-
-The profiler records every op it sees, which costs some microseconds per op: a profiled step is a little
-slower than an unprofiled one, and the benchmark therefore profiles only steps after the timed ones.
+zero_grad, gradient clipping and the loss all-reduce (`global_mean`). The profiler costs some microseconds per
+op, so the benchmark profiles only steps after the timed ones.
 """
 
 from __future__ import annotations

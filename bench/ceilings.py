@@ -1,5 +1,6 @@
-"""The ceilings a run is measured against: the machine's matmul peak, BabyCNN's training FLOPs per sample
-(counted from its layers' shapes), and the fastest a pipeline can train when its heaviest stage has one core."""
+"""The ceilings a run is measured against: the machine's matmul peak, BabyCNN's training FLOPs per sample (the
+model's own count, common/model_sizes.py), and the fastest a pipeline can train when its heaviest stage has one
+core."""
 
 from __future__ import annotations
 
@@ -37,77 +38,48 @@ def matmul_peak_gflops(
 def machine_peaks(*, n: int, repeats: int) -> dict[str, dict[str, float]]:
     """The matmul peak in fp32 and bf16 on 1 thread and on all cores (wall clock), and on 1 thread by CPU time.
     `peak_gflops` is the all-cores figure of each dtype: the one a run's "% of peak" is a fraction of."""
-    by_threads = {
-        f"{d} {t} thread{'s' if t > 1 else ''}": matmul_peak_gflops(d, t, n=n, repeats=repeats)
-        for d in ("fp32", "bf16")
-        for t in sorted({1, CORES})
-    }
-    for d in ("fp32", "bf16"):
-        by_threads[f"{d} 1 thread, CPU time"] = matmul_peak_gflops(d, 1, n=n, repeats=repeats, clock=time.process_time)
-    all_cores = f"{CORES} thread{'s' if CORES > 1 else ''}"
+    threads, dtypes = lambda t: f"{t} thread{'s' if t > 1 else ''}", ("fp32", "bf16")
+    peak = lambda d, t, clock=time.perf_counter: matmul_peak_gflops(d, t, n=n, repeats=repeats, clock=clock)
+    by_threads = {f"{d} {threads(t)}": peak(d, t) for d in dtypes for t in sorted({1, CORES})}
+    by_threads |= {f"{d} 1 thread, CPU time": peak(d, 1, time.process_time) for d in dtypes}
     return {
         "peak_by_threads_gflops": by_threads,
-        "peak_gflops": {d: by_threads[f"{d} {all_cores}"] for d in ("fp32", "bf16")},
+        "peak_gflops": {d: by_threads[f"{d} {threads(CORES)}"] for d in dtypes},
     }
 
 
-def model_flops(*, in_channels: int = 1, image_size: int = 28, num_classes: int = 10) -> dict[str, Any]:
-    """BabyCNN's training FLOPs per sample, counted from its layers' shapes.
+def model_flops(size: str = "baby", dataset: str = "digits") -> dict[str, Any]:
+    """Training FLOPs per sample of the layers that have any (convolutions and linear layers, 2 x multiply-adds:
+    common/model_sizes.py). Backward is twice forward (the gradients of the input and of the weights), as
+    stage_starts assumes, except for the first layer, whose input (the images) needs no gradient."""
+    from common.model_sizes import layers
 
-    Forward: 2 x multiply-adds of every Conv2d and Linear (elementwise ops, LayerNorm and pooling are not
-    counted: they are not matmuls). Backward: the gradient w.r.t. the input and w.r.t. the weights each
-    cost one forward, except for the first layer, whose input (the images) needs no gradient."""
-    import torch
-    from torch import nn
-
-    from common.model import build_model
-
-    model = build_model(seed=0, in_channels=in_channels, image_size=image_size, num_classes=num_classes, dropout=0.0)
-    layers: list[dict[str, Any]] = []
-
-    def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
-        if isinstance(module, nn.Conv2d):
-            k = module.in_channels // module.groups * module.kernel_size[0] * module.kernel_size[1]
-            macs = output[0].numel() * k
-        else:
-            macs = module.in_features * module.out_features
-        layers.append({"layer": name_of[module], "forward": 2 * macs})
-
-    name_of = {m: n for n, m in model.named_modules()}
-    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
-    with torch.no_grad():
-        model(torch.zeros(1, in_channels, image_size, image_size))
-    for h in handles:
-        h.remove()
-    for i, layer in enumerate(layers):
-        layer["backward"] = layer["forward"] * (1 if i == 0 else 2)
-    total = sum(layer["forward"] + layer["backward"] for layer in layers)
-    return {"train_flops_per_sample": total, "layers": layers}
+    counted = [layer for layer in layers(size, dataset) if layer.flops]
+    rows = [
+        {"layer": layer.name, "forward": layer.flops, "backward": layer.flops * (1 if i == 0 else 2)}
+        for i, layer in enumerate(counted)
+    ]
+    return {"train_flops_per_sample": sum(r["forward"] + r["backward"] for r in rows), "layers": rows}
 
 
 def pipeline_ceiling(
     layers: Sequence[dict[str, Any]], *, stage_counts: Sequence[int], peak_one_thread_gflops: float
 ) -> dict[str, dict[str, Any]]:
-    """The fastest a pipeline can train here with one thread per rank, per number of stages: its heaviest
-    stage (the scripts' own cut: split_model, stage_starts) runs on one core, at best at the 1-thread matmul
-    peak, and every sample passes through it. `layers` are model_flops()'s; layers without FLOPs count as
-    free, so this is an upper bound. With r pipeline replicas on r or more cores the bound is r times this."""
-    from common.model import build_model
+    """The fastest a pipeline can train here with one thread per rank, per number of stages: its heaviest stage
+    (the scripts' own cut, stage_starts) runs on one core, at best at the 1-thread matmul peak, and every sample
+    passes through it. `layers` are model_flops()'s; layers without FLOPs count as free, so this is an upper
+    bound. With r pipeline replicas on r or more cores the bound is r times this."""
+    from common.model_sizes import layers as model_layers
     from common.model_sizes import max_stages, stage_starts
-    from common.pipeline import split_model
 
     flops = {layer["layer"]: layer["forward"] + layer["backward"] for layer in layers}
-    model = build_model(seed=0, in_channels=1, image_size=28, num_classes=10, dropout=0.0)
+    names = [layer.name for layer in model_layers("baby")]
     ceiling = {}
-    for n in stage_counts:
-        if not 1 <= n <= max_stages("baby"):
-            continue
-        pieces = split_model(model, stage_starts("baby", n))
-        heaviest = max(pieces, key=lambda piece: sum(flops.get(name, 0) for name in piece._modules))
-        stage_flops = sum(flops.get(name, 0) for name in heaviest._modules)
-        ceiling[str(n)] = {
-            "heaviest_stage": list(heaviest._modules),
-            "train_flops_per_sample": stage_flops,
-            "samples_per_s": peak_one_thread_gflops * 1e9 / stage_flops,
-        }
+    for n in (n for n in stage_counts if 1 <= n <= max_stages("baby")):
+        bounds = [names.index(start) for start in stage_starts("baby", n)] + [len(names)]
+        stages = [names[a:b] for a, b in zip(bounds, bounds[1:])]
+        heaviest = max(stages, key=lambda stage: sum(flops.get(name, 0) for name in stage))
+        stage_flops = sum(flops.get(name, 0) for name in heaviest)
+        speed = peak_one_thread_gflops * 1e9 / stage_flops
+        ceiling[str(n)] = {"heaviest_stage": heaviest, "train_flops_per_sample": stage_flops, "samples_per_s": speed}
     return ceiling

@@ -5,22 +5,10 @@
     NPROC=3 python -m bench.collectives --ops all_reduce,all_reduce_ring    # checks the flags, then starts torchrun
     python -m bench.collectives --plot runs/c2/collectives.json runs/c4/collectives.json --out runs/cmp  # no torch
 
-The ops: all_reduce (dist.all_reduce), all_reduce_ring (common/ring.py's ring_all_reduce, the same sum written as
-isend/recv), reduce_scatter (dist.reduce_scatter_tensor), all_gather (dist.all_gather_into_tensor; torch 2.14
-names both `*_single` and warns at the old names), broadcast (from rank 0) and send_recv (rank 0 sends to rank 1,
-the others wait). float32, every power of 2 from --min-bytes to --max-bytes. The size is nccl-tests' size: the
-whole tensor for all_reduce, broadcast and send_recv, the gathered output for all_gather, the input for
-reduce_scatter (rounded down to a multiple of 4 x world size bytes).
-
-Per op and size: warm-up calls, a barrier, then back-to-back calls with no barrier between them, as many as fit
-in about TARGET_S; each rank times its own loop (time.perf_counter on the CPU, CUDA events on a GPU) and the op's
-time is the slowest rank's mean (nccl-tests' `-a 3`; its default, `-a 1`, averages the ranks); for send_recv it
-is the receiver's. From nccl-tests' doc/PERFORMANCE.md: algbw = size / time; busbw = algbw x 2(n-1)/n for an
-all-reduce, x (n-1)/n for all-gather and reduce-scatter, x 1 for broadcast and send/recv: the bytes each rank's
-link carries per second, comparable across n. Before timing, each op runs once on known values and is checked.
-
-Rank 0 prints the table and writes collectives.json (the machine, every row) and collectives.png (busbw against
-size) in --out. `predict_time_s` (no torch, no process group) reads an op's time at any size back from the rows.
+docs/communication.md says what each op, size and bandwidth is. Each op is checked once on known values, then
+timed per size: warm-up calls, a barrier, back-to-back calls for about TARGET_S; the time is the slowest rank's
+mean (nccl-tests' `-a 3`). Rank 0 prints the table and writes collectives.json and collectives.png in --out.
+`predict_time_s` (no torch, no process group) reads an op's time at any size back from the rows.
 """
 
 from __future__ import annotations
@@ -30,14 +18,15 @@ import bisect
 import json
 import math
 import os
-import platform
 import sys
 import time
 from datetime import date
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
-from bench.machine import CORES, ROOT, cpu_name, cpu_seconds
+from bench import figures
+from bench.figures import human
+from bench.machine import CORES, ROOT, cpu_name, cpu_seconds, peak_rss_bytes, torchrun
 from common.errors import UserError, fail
 
 if TYPE_CHECKING:
@@ -52,12 +41,12 @@ QUICK_TARGET_S = 0.02
 MIN_ITERS, MAX_ITERS = 3, 1000  # nccl-tests times 20 by default; here small messages vary from call to call, so more
 WARMUP_ITERS, WARMUP_S = 5, 0.05  # nccl-tests' default -w 5, fewer where that would take longer than WARMUP_S
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+TIMING = "per op: the slowest rank's mean over back-to-back calls (nccl-tests -a 3)"
 RUNTIME_MIB = 600  # a CPU worker's peak RSS besides its messages: 526 MiB measured with 1 MiB messages (torch, gloo)
 
 
-def bus_factor(op: str, world_size: int) -> float:
-    """nccl-tests' busbw / algbw (doc/PERFORMANCE.md): the fraction of the size each rank must send (or receive)."""
-    n = world_size
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' busbw / algbw on n ranks (doc/PERFORMANCE.md): the share of the size each rank sends or receives."""
     if op in ("all_reduce", "all_reduce_ring"):
         return 2 * (n - 1) / n  # a reduce-scatter then an all-gather, each (n - 1) / n of the tensor per rank
     if op in ("reduce_scatter", "all_gather"):
@@ -75,15 +64,10 @@ def predict_time_s(results: list[dict[str, Any]], op: str, size_bytes: float) ->
         raise ValueError(f"no rows for op {op!r}; the results hold {sorted({r['op'] for r in results})}")
     if not size_bytes > 0:
         raise ValueError(f"size_bytes must be positive, got {size_bytes}")
-    sizes = [size for size, _ in points]
-    if size_bytes <= sizes[0]:
-        return points[0][1]
-    if size_bytes >= sizes[-1]:
-        return points[-1][1]
-    i = bisect.bisect_left(sizes, size_bytes)
+    i = bisect.bisect_left([size for size, _ in points], size_bytes)
+    if i == 0 or i == len(points) or points[i][0] == size_bytes:  # at or outside the ends, or a measured size
+        return points[min(i, len(points) - 1)][1]
     (size_hi, time_hi), (size_lo, time_lo) = points[i], points[i - 1]
-    if size_hi == size_bytes:
-        return time_hi
     fraction = math.log(size_bytes / size_lo) / math.log(size_hi / size_lo)
     return math.exp(math.log(time_lo) + fraction * math.log(time_hi / time_lo))
 
@@ -95,14 +79,6 @@ def message_sizes(min_bytes: int, max_bytes: int, *, quick: bool) -> list[int]:
     while sizes[-1] * step <= top:
         sizes.append(sizes[-1] * step)
     return sizes
-
-
-def human(nbytes: float) -> str:
-    """4096 -> '4 KiB', 268435456 -> '256 MiB'."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:g} {unit}"
-    return f"{nbytes:g} B"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -129,12 +105,13 @@ def parse_args(argv: Sequence[str], world_size: int) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--out", default="runs/collectives", help="folder for collectives.json and .png")
-    parser.add_argument("--min-bytes", default="4096", help="smallest message (bytes; K, M, G: powers of 1024)")
-    parser.add_argument("--max-bytes", default="268435456", help="largest message (bytes; K, M, G)")
-    parser.add_argument("--ops", default=",".join(OPS), help="which ops, comma-separated")
-    parser.add_argument("--quick", action="store_true", help="every 16th size up to 1 MiB, briefly: a smoke test")
-    parser.add_argument("--plot", nargs="+", metavar="JSON", help="no measuring: draw saved collectives.json files")
+    add = parser.add_argument
+    add("--out", default="runs/collectives", help="folder for collectives.json and .png")
+    add("--min-bytes", default="4096", help="smallest message (bytes; K, M, G: powers of 1024)")
+    add("--max-bytes", default="268435456", help="largest message (bytes; K, M, G)")
+    add("--ops", default=",".join(OPS), help="which ops, comma-separated")
+    add("--quick", action="store_true", help="every 16th size up to 1 MiB, briefly: a smoke test")
+    add("--plot", nargs="+", metavar="JSON", help="no measuring: draw saved collectives.json files")
     args = parser.parse_args(argv)
     if args.plot:
         return args
@@ -170,16 +147,14 @@ def check_memory(max_bytes: int, processes: int) -> None:
 
 
 def launch(args: argparse.Namespace, argv: list[str], nproc: int) -> NoReturn:
-    """Without torchrun: the flags (`args`, parsed from `argv`) are checked here, so a bad one is one line and exit 2
-    before any worker starts (under torchrun a worker's exit 2 becomes torchrun's exit 1 and its report); then
-    this process becomes torchrun with `nproc` workers."""
+    """Without torchrun: the flags (`args`, parsed from `argv`) were checked here, so a bad one is one line and exit 2
+    (a worker's exit 2 would become torchrun's exit 1 and its report); now this process becomes torchrun."""
     from runner.memory import gpu_mib
 
     if gpu_mib() is None:  # no NVIDIA GPU (nvidia-smi says): the workers will hold their messages in this memory
         check_memory(args.max_bytes, nproc)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # finds bench from any folder
-    os.execve(sys.executable, [*command, "-m", "bench.collectives", *argv], {**os.environ, "PYTHONPATH": path})
+    os.execve(sys.executable, [*torchrun(nproc), "-m", "bench.collectives", *argv], {**os.environ, "PYTHONPATH": path})
 
 
 def build_op(
@@ -208,16 +183,13 @@ def build_op(
         all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
         return lambda: all_gather(full, shard), full.numel() * FLOAT32, full
     whole = tensor(size // FLOAT32)
-    nbytes = whole.numel() * FLOAT32
-    if op == "all_reduce":
-        return lambda: dist.all_reduce(whole), nbytes, whole
-    if op == "all_reduce_ring":
-        return lambda: ring_all_reduce(whole), nbytes, whole
-    if op == "broadcast":
-        return lambda: dist.broadcast(whole, src=0), nbytes, whole
-    if rank > 1:  # send_recv: one pair, so that one link is all that is measured
-        return None, nbytes, whole
-    return (lambda: dist.send(whole, dst=1)) if rank == 0 else (lambda: dist.recv(whole, src=0)), nbytes, whole
+    calls = {  # send_recv: one pair, so that one link is all that is measured; the other ranks sit out
+        "all_reduce": lambda: dist.all_reduce(whole),
+        "all_reduce_ring": lambda: ring_all_reduce(whole),
+        "broadcast": lambda: dist.broadcast(whole, src=0),
+        "send_recv": [lambda: dist.send(whole, dst=1), lambda: dist.recv(whole, src=0)][rank] if rank < 2 else None,
+    }
+    return calls[op], whole.numel() * FLOAT32, whole
 
 
 def check_ops(ops: Sequence[str], env: DistEnv) -> None:
@@ -226,7 +198,6 @@ def check_ops(ops: Sequence[str], env: DistEnv) -> None:
     import torch
 
     n = env.world_size
-    total = n * (n + 1) / 2
     for op in ops:
         call, _, output = build_op(op, FLOAT32 * (7 * n + 3), env, fill=True)
         if call is None:
@@ -236,11 +207,10 @@ def check_ops(ops: Sequence[str], env: DistEnv) -> None:
             expected = torch.arange(1, n + 1, dtype=torch.float32, device=output.device)
             expected = expected.repeat_interleave(output.numel() // n)
         else:  # broadcast and send_recv: rank 0's ones; the reductions: the sum over the ranks
-            expected = torch.full_like(output, 1.0 if op in ("broadcast", "send_recv") else total)
+            expected = torch.full_like(output, 1.0 if op in ("broadcast", "send_recv") else n * (n + 1) / 2)
         if not torch.equal(output, expected):
-            raise RuntimeError(
-                f"[rank {env.rank}] {op} is wrong: got {output.tolist()[:8]}.., expected {expected.tolist()[:8]}.."
-            )
+            got, want = output.tolist()[:8], expected.tolist()[:8]
+            raise RuntimeError(f"[rank {env.rank}] {op} is wrong: got {got}.., expected {want}..")
 
 
 def every_rank(value: float, env: DistEnv) -> list[float]:
@@ -287,70 +257,12 @@ def time_op(call: Callable[[], object] | None, env: DistEnv, *, target_s: float)
     return every_rank(timed(iters), env), iters
 
 
-def own_cpu_s() -> float:
-    """CPU seconds this process has used, all its threads (gloo's included)."""
-    times = os.times()
-    return times.user + times.system
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory (VmHWM), 0 where /proc is not there."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return 0
-
-
-def machine_name() -> str:
-    """The CPU's model name from /proc/cpuinfo, else what `platform` knows."""
-    name = cpu_name()
-    return (platform.processor() or platform.machine()) if name == "unknown CPU" else name
-
-
 HEADER = f"{'op':<16} {'size (B)':>11} {'iters':>5} {'time (us)':>12} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13}"
 
 
-def table_line(row: dict[str, Any]) -> str:
-    return (
-        f"{row['op']:<16} {row['bytes']:>11} {row['iters']:>5} {row['time_s'] * 1e6:>12.1f} "
-        f"{row['algbw_GBps']:>13.3f} {row['busbw_GBps']:>13.3f}"
-    )
-
-
-def draw(runs: list[dict[str, Any]], path: Path) -> None:
-    """busbw against message size (log-x), one line per op; one panel per process count, side by side on one y
-    axis. A repeated launch of the same count is drawn in its panel too, dotted: how far the launches differ."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    counts = sorted({run["world_size"] for run in runs})
-    fig, axes = plt.subplots(1, len(counts), figsize=(6 * len(counts), 4.6), sharey=True, squeeze=False)
-    for ax, count in zip(axes[0], counts):
-        launches = [run for run in runs if run["world_size"] == count]
-        for k, run in enumerate(launches):
-            for i, op in enumerate(OPS):
-                rows = [r for r in run["results"] if r["op"] == op]
-                style = {"ls": "-", "marker": "o", "ms": 3} if k == 0 else {"ls": ":", "lw": 1, "alpha": 0.8}
-                busbw = [r["busbw_GBps"] for r in rows]
-                ax.plot([r["bytes"] for r in rows], busbw, color=f"C{i}", label=op if k == 0 else None, **style)
-        sizes = [r["bytes"] for run in launches for r in run["results"]]
-        ticks = [4**k for k in range(40) if 0.9 * min(sizes) <= 4**k <= 1.1 * max(sizes)]  # 4 KiB, 16 KiB, ..
-        ax.set_xscale("log")
-        ax.minorticks_off()
-        ax.set_xticks(ticks, [human(t) for t in ticks], fontsize=8)
-        ax.grid(alpha=0.3)
-        repeats = f" ({len(launches)} launches: first solid, others dotted)" if len(launches) > 1 else ""
-        ax.set(xlabel="message size (nccl-tests' size)", title=f"{count} processes, {launches[0]['backend']}{repeats}")
-    axes[0][0].set_ylabel("busbw (GB/s)")
-    axes[0][0].legend(fontsize=8)
-    first = runs[0]
-    fig.suptitle(f"{first['machine']}, {first['device']}, torch {first['torch']}, {first['date']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def table_line(r: dict[str, Any]) -> str:
+    bandwidths = f"{r['algbw_GBps']:>13.3f} {r['busbw_GBps']:>13.3f}"
+    return f"{r['op']:<16} {r['bytes']:>11} {r['iters']:>5} {r['time_s'] * 1e6:>12.1f} {bandwidths}"
 
 
 def plot(files: Sequence[str], out: Path) -> None:
@@ -363,12 +275,33 @@ def plot(files: Sequence[str], out: Path) -> None:
             raise UserError(f"--plot: cannot read {name}: {e}") from None
     runs.sort(key=lambda run: run["world_size"])  # stable: a count's launches stay in the order given
     out.mkdir(parents=True, exist_ok=True)
-    draw(runs, out / "collectives.png")
-    written = [out / "collectives.png"]
+    figures.collectives(runs, out / "collectives.png", ops=OPS)
     if len(runs) > 1:  # not collectives.json: --out may be one of the runs' own folders
         (out / "collectives-runs.json").write_text(json.dumps({"runs": runs}, indent=1) + "\n")
-        written.append(out / "collectives-runs.json")
-    print(f"wrote {', '.join(map(str, written))}")
+    print(f"wrote {out / 'collectives.png'}" + (f", {out / 'collectives-runs.json'}" if len(runs) > 1 else ""))
+
+
+def measure(args: argparse.Namespace, env: DistEnv, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Every op at every size, checked first; rank 0 logs the table as it goes."""
+    import torch
+
+    sizes = message_sizes(args.min_bytes, args.max_bytes, quick=args.quick)
+    check_ops(args.ops, env)
+    where = f"{env.world_size} processes, {env.backend} on {env.device.type}, {cpu_name()}, torch {torch.__version__}"
+    log(f"# {where}; {human(sizes[0])} .. {human(sizes[-1])}; time: the slowest rank's mean")
+    log(HEADER)
+    results = []
+    for op in args.ops:
+        for size in sizes:
+            call, nbytes, _ = build_op(op, size, env)
+            times, iters = time_op(call, env, target_s=QUICK_TARGET_S if args.quick else TARGET_S)
+            del call  # frees this size's tensors before the next size allocates its own
+            measured = times[1:2] if op == "send_recv" else times  # send_recv: the receiver's time
+            algbw = nbytes / max(measured) / 1e9
+            results.append({"op": op, "bytes": nbytes, "time_s": max(measured), "algbw_GBps": algbw})
+            results[-1].update(busbw_GBps=algbw * bus_factor(op, env.world_size), iters=iters, time_s_per_rank=measured)
+            log(table_line(results[-1]))
+    return results
 
 
 def worker(argv: list[str]) -> None:
@@ -389,63 +322,27 @@ def worker(argv: list[str]) -> None:
     log = RankLogger(env.is_main)
     try:
         started, load_before = time.perf_counter(), os.getloadavg()
-        machine_busy, own = cpu_seconds()[0], own_cpu_s()  # to say how much of the machine others took meanwhile
-        sizes = message_sizes(args.min_bytes, args.max_bytes, quick=args.quick)
-        check_ops(args.ops, env)
-        log(
-            f"# {env.world_size} processes, {env.backend} on {env.device.type}, {machine_name()}, torch "
-            f"{torch.__version__}; {human(sizes[0])} .. {human(sizes[-1])}; time: the slowest rank's mean"
-        )
-        log(HEADER)
-        results = []
-        for op in args.ops:
-            for size in sizes:
-                call, nbytes, _ = build_op(op, size, env)
-                times, iters = time_op(call, env, target_s=QUICK_TARGET_S if args.quick else TARGET_S)
-                del call  # frees this size's tensors before the next size allocates its own
-                measured = times[1:2] if op == "send_recv" else times  # send_recv: the receiver's time
-                algbw = nbytes / max(measured) / 1e9
-                row = {
-                    "op": op,
-                    "bytes": nbytes,
-                    "time_s": max(measured),
-                    "algbw_GBps": algbw,
-                    "busbw_GBps": algbw * bus_factor(op, env.world_size),
-                    "iters": iters,
-                    "time_s_per_rank": measured,
-                }
-                results.append(row)
-                log(table_line(row))
+        machine_busy, own = cpu_seconds()  # to say how much of the machine others took meanwhile
+        results = measure(args, env, log)
         wall_s = time.perf_counter() - started
-        ranks_cpu_s = sum(every_rank(own_cpu_s() - own, env))
-        peak_rss = int(max(every_rank(peak_rss_bytes(), env)))
-        if env.is_main:
-            other_cores = max(0.0, cpu_seconds()[0] - machine_busy - ranks_cpu_s) / wall_s
-            report = {
-                "world_size": env.world_size,
-                "backend": env.backend,
-                "device": env.device.type,
-                "gpu": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else None,
-                "torch": torch.__version__,
-                "date": date.today().isoformat(),
-                "machine": machine_name(),
-                "cores": CORES,
-                "command": " ".join(
-                    ["torchrun --standalone", f"--nproc-per-node {env.local_world_size}", "-m bench.collectives"] + argv
-                ),
-                "timing": "per op: the slowest rank's mean over back-to-back calls (nccl-tests -a 3)",
-                "wall_s": wall_s,
-                "load_before": load_before,
-                "other_processes_cores": other_cores,  # cores others kept busy, torchrun's agent included
-                "peak_rss_bytes": peak_rss,  # the largest rank's
-                "results": results,
-            }
-            out = Path(args.out)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "collectives.json").write_text(json.dumps(report, indent=1) + "\n")
-            draw([report], out / "collectives.png")
-            log(f"# {wall_s:.1f} s; other processes kept {other_cores:.2f} of {CORES} cores busy meanwhile")
-            log(f"wrote {out / 'collectives.json'}, {out / 'collectives.png'}")
+        ranks_cpu_s = sum(every_rank(cpu_seconds()[1] - own, env))  # every thread of each rank, gloo's included
+        peak_rss = int(max(every_rank(peak_rss_bytes() or 0, env)))
+        if not env.is_main:
+            return
+        other_cores = max(0.0, cpu_seconds()[0] - machine_busy - ranks_cpu_s) / wall_s
+        command = f"torchrun --standalone --nproc-per-node {env.local_world_size} -m bench.collectives"
+        gpu = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else None
+        report = dict(world_size=env.world_size, backend=env.backend, device=env.device.type, gpu=gpu)
+        report |= dict(torch=torch.__version__, date=date.today().isoformat(), machine=cpu_name(), cores=CORES)
+        report |= dict(command=" ".join([command, *argv]), timing=TIMING, wall_s=wall_s, load_before=load_before)
+        # cores others kept busy (torchrun's agent included); the largest rank's peak RSS
+        report |= dict(other_processes_cores=other_cores, peak_rss_bytes=peak_rss, results=results)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "collectives.json").write_text(json.dumps(report, indent=1) + "\n")
+        figures.collectives([report], out / "collectives.png", ops=OPS)
+        log(f"# {wall_s:.1f} s; other processes kept {other_cores:.2f} of {CORES} cores busy meanwhile")
+        log(f"wrote {out / 'collectives.json'}, {out / 'collectives.png'}")
     finally:
         teardown_distributed()
 

@@ -7,11 +7,10 @@
     python -m bench.essentials stop-check --procs 2                      # the per-step preemption check alone
 
 Each launch runs the real `train_<strategy>.train` for each configuration, one after another, in one set of
-processes (`worker`, below); the figures are medians of `step_time_s` from metrics.jsonl after the first
---skip steps (the compiled runs' first steps include compiling: the first run's, with an empty inductor cache,
-are reported apart).
-With --max-grad-norm 0 the global norm is still computed (it is logged), so `clip` measures the scaling;
-`clip-call` times the whole call (norm + scaling) on BabyCNN's gradients, to set beside a step's time.
+processes (`worker`); the figures are medians of `step_time_s` after the first --skip steps (the compiled runs'
+first steps include compiling: the first run's, with an empty inductor cache, are reported apart). With
+--max-grad-norm 0 the norm is still computed (it is logged), so `clip` measures the scaling; `clip-call` times the
+whole call on BabyCNN's gradients.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -27,7 +25,13 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.launches import failure, launch, records
+from bench.machine import ROOT, launch_env, torchrun
+from bench.report import md_table
+
+Configs = dict[str, tuple[str, list[str]]]  # name -> (strategy, flags)
+COLD = "compiled: first steps, cold"  # of the first compiled run, which found the inductor cache empty
+TIMEOUT_S = 3600  # per launch: every configuration's run, one after another
 
 
 def worker(spec: str) -> None:
@@ -47,62 +51,66 @@ def worker(spec: str) -> None:
         teardown_distributed()
 
 
-def launch(runs: dict[str, tuple[str, list[str]]], procs: int) -> None:
-    spec = Path(tempfile.mkstemp(suffix=".json")[1])
-    spec.write_text(json.dumps(runs))
-    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)] if procs > 1 else []
-    cmd = [sys.executable, *torchrun, "-m", "bench.essentials", "worker", str(spec)]
-    # a fresh inductor cache: the first compiled run pays the whole compile, as on a new machine
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="inductor-"))
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
-
-
-def step_times(out: str) -> list[float]:
-    records = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [r["step_time_s"] for r in records if r["kind"] == "train"]
-
-
-def measure(configs: dict[str, tuple[str, list[str]]], args) -> dict[str, list[list[float]]]:
-    """{name: [step times of each repeat]} for configs {name: (strategy, flags)}, alternated per repeat."""
+def measure(configs: Configs, args: argparse.Namespace) -> dict[str, list[list[float]]]:
+    """{name: [step times of each repeat]} for configs {name: (strategy, flags)}, alternated per repeat, all in one
+    launch of `worker`."""
     root = Path(tempfile.mkdtemp(prefix="essentials-"))
     runs = {
         str(root / f"{name}-{r}"): (strategy, [*flags, "--max-steps", str(args.steps), "--log-every", "1000"])
         for r in range(args.repeats)
         for name, (strategy, flags) in configs.items()
     }
-    launch(runs, args.procs)
-    return {name: [step_times(str(root / f"{name}-{r}")) for r in range(args.repeats)] for name in configs}
+    (root / "runs.json").write_text(json.dumps(runs))
+    python = torchrun(args.procs) if args.procs > 1 else [sys.executable]
+    # a fresh inductor cache: the first compiled run pays the whole compile, as on a new machine
+    env = launch_env(args.procs, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="inductor-"))
+    cmd = [*python, "-m", "bench.essentials", "worker", str(root / "runs.json")]
+    ended = launch(cmd, out=root, nproc=args.procs, timeout_s=TIMEOUT_S, env=env)
+    if ended["returncode"] != 0:
+        sys.exit(f"error: {failure(root, ended['returncode'])} (console: {root / 'console.log'})")
+    step_times = lambda name, r: [rec["step_time_s"] for rec in records(root / f"{name}-{r}")]
+    return {name: [step_times(name, r) for r in range(args.repeats)] for name in configs}
 
 
 def median_after(times: list[list[float]], skip: int) -> float:
     return statistics.median(t for run in times for t in run[skip:])
 
 
-def clip(args) -> None:
-    configs = {}
-    for strategy in args.strategies.split(","):
-        configs[f"{strategy} off"] = (strategy, ["--max-grad-norm", "0"])
-        configs[f"{strategy} on"] = (strategy, ["--max-grad-norm", "1.0"])
-    times = measure(configs, args)
-    print(f"| script ({args.procs} processes) | median step, --max-grad-norm 0 | with 1.0 | cost |")
-    print("|---|---|---|---|")
-    for strategy in args.strategies.split(","):
-        off, on = (median_after(times[f"{strategy} {k}"], args.skip) for k in ("off", "on"))
-        print(f"| {strategy} | {off * 1e3:.2f} ms | {on * 1e3:.2f} ms | {(on / off - 1) * 100:+.1f} % |")
+def paired(args: argparse.Namespace, off: list[str], on: list[str]) -> list[tuple[str, float, float, float]]:
+    """For each of --strategies: (it, the median step with the flags `off`, with `on`, the first --skip steps of the
+    first run with `on`, which found the inductor cache empty)."""
+    strategies = args.strategies.split(",")
+    times = measure({f"{s} {k}": (s, flags) for s in strategies for k, flags in (("off", off), ("on", on))}, args)
+    median = lambda name: median_after(times[name], args.skip)
+    return [(s, median(f"{s} off"), median(f"{s} on"), sum(times[f"{s} on"][0][: args.skip])) for s in strategies]
 
 
-def clip_call(args) -> None:
+def clip(args: argparse.Namespace) -> None:
+    header = [f"script ({args.procs} processes)", "median step, --max-grad-norm 0", "with 1.0", "cost"]
+    rows = [
+        [s, f"{off * 1e3:.2f} ms", f"{on * 1e3:.2f} ms", f"{(on / off - 1) * 100:+.1f} %"]
+        for s, off, on, _ in paired(args, ["--max-grad-norm", "0"], ["--max-grad-norm", "1.0"])
+    ]
+    print("\n".join(md_table(header, rows)))
+
+
+def compile_(args: argparse.Namespace) -> None:
+    header = [f"script ({args.procs} processes)", "eager median step", "compiled", "speed-up", COLD]
+    rows = [
+        [s, f"{eager * 1e3:.2f} ms", f"{compiled * 1e3:.2f} ms", f"{eager / compiled:.2f}x", f"{first:.1f} s"]
+        for s, eager, compiled, first in paired(args, [], ["--compile"])
+    ]
+    print("\n".join(md_table(header, rows)))
+
+
+def clip_call(args: argparse.Namespace) -> None:
     import torch
 
     from common.clipping import clip_grad_norm
     from common.model import build_model
 
     torch.set_num_threads(1)
-    from common.config import Config
-    from common.data import load_dataset
-
-    data = load_dataset(Config(train_size=128, test_size=128))
-    model = build_model(seed=0, in_channels=data.in_channels, image_size=data.image_size, num_classes=10, dropout=0)
+    model = build_model(seed=0, in_channels=1, image_size=28, num_classes=10, dropout=0)  # the default data set's
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     times = []
@@ -112,24 +120,6 @@ def clip_call(args) -> None:
         times.append(time.perf_counter() - started)
     n = sum(p.numel() for p in model.parameters())
     print(f"clip_grad_norm on BabyCNN's {n:,} gradients, 1 thread: median {statistics.median(times) * 1e3:.3f} ms")
-
-
-def compile_(args) -> None:
-    configs = {}
-    for strategy in args.strategies.split(","):
-        configs[f"{strategy} eager"] = (strategy, [])
-        configs[f"{strategy} compiled"] = (strategy, ["--compile"])
-    times = measure(configs, args)
-    print(
-        f"| script ({args.procs} processes) | eager median step | compiled | speed-up | compiled: first steps, cold |"
-    )
-    print("|---|---|---|---|---|")
-    for strategy in args.strategies.split(","):
-        eager, compiled = (median_after(times[f"{strategy} {k}"], args.skip) for k in ("eager", "compiled"))
-        first = sum(times[f"{strategy} compiled"][0][: args.skip])  # the first run: with an empty cache
-        print(
-            f"| {strategy} | {eager * 1e3:.2f} ms | {compiled * 1e3:.2f} ms | {eager / compiled:.2f}x | {first:.1f} s |"
-        )
 
 
 def stop_check_worker(calls: int) -> None:
@@ -149,10 +139,9 @@ def stop_check_worker(calls: int) -> None:
         teardown_distributed()
 
 
-def stop_check(args) -> None:
+def stop_check(args: argparse.Namespace) -> None:
     """What the preemption check after every step costs: one all-reduce of one number, read on the host."""
-    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.procs)]
-    cmd = [sys.executable, *torchrun, "-m", "bench.essentials", "stop-check-worker", str(args.calls)]
+    cmd = [*torchrun(args.procs), "-m", "bench.essentials", "stop-check-worker", str(args.calls)]
     subprocess.run(cmd, cwd=ROOT, check=True)
 
 
@@ -161,16 +150,15 @@ def main() -> None:
         return worker(sys.argv[2])
     if sys.argv[1:2] == ["stop-check-worker"]:
         return stop_check_worker(int(sys.argv[2]))
+    commands = {"clip": clip, "clip-call": clip_call, "compile": compile_, "stop-check": stop_check}
     parser = argparse.ArgumentParser(prog="python -m bench.essentials", description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["clip", "clip-call", "compile", "stop-check"])
-    parser.add_argument("--procs", type=int, default=4)
-    parser.add_argument("--strategies", default="ddp,fsdp,pippy")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("what", choices=list(commands))
+    for flag, default in [("--procs", 4), ("--strategies", "ddp,fsdp,pippy"), ("--steps", 60), ("--repeats", 2)]:
+        parser.add_argument(flag, type=type(default), default=default)
     parser.add_argument("--skip", type=int, default=5, help="first steps left out of the medians")
     parser.add_argument("--calls", type=int, default=200)
     args = parser.parse_args()
-    {"clip": clip, "clip-call": clip_call, "compile": compile_, "stop-check": stop_check}[args.what](args)
+    commands[args.what](args)
 
 
 if __name__ == "__main__":

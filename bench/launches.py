@@ -1,7 +1,7 @@
-"""Launching the real scripts and reading what they wrote: each run as a user starts it (`python train_x.py`,
-torchrun, `bash run_ddp.sh`), watched for its first metrics record and each rank's peak RSS; its samples/s and
-step times from its own metrics.jsonl, its memory and layout from its run.json, and, for a run that profiles
-steps after its timed ones, where those steps went (bench/breakdown.py)."""
+"""The one launch helper of python -m bench, bench.scale, bench.essentials and tests/soak.py: start a real script or
+runner as a user does (`python train_x.py`, torchrun, `bash run_x.sh`), its output in <out>/console.log, watched
+for its first metrics record and each rank's peak RSS, killed past its timeout; then read what it wrote
+(metrics.jsonl, run.json) and, if it failed, why."""
 
 from __future__ import annotations
 
@@ -9,114 +9,126 @@ import json
 import math
 import os
 import re
-import shutil
 import statistics
 import subprocess
-import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from bench.breakdown import trace_breakdown
-from bench.machine import ROOT, launch_env
-from bench.plan import RunSpec, Settings
-from tools.compare import state_bytes_per_rank
+from bench.machine import ROOT, launch_env, peak_rss_bytes
+
+POLL_S = 0.02
+RSS_EVERY = 10  # polls between two RSS samples: reading every process's parent costs a few ms
 
 
-def _process_table() -> dict[int, int]:
-    """pid -> parent pid, for every process."""
+def _descendants(root_pid: int) -> set[int]:
+    """root_pid and every process below it."""
     parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    return parents
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # a process that ended meanwhile
+            pass
+    family, frontier = {root_pid}, [root_pid]
+    while frontier:
+        pid = frontier.pop()
+        children = {child for child, parent in parents.items() if parent == pid} - family
+        family |= children
+        frontier += children
+    return family
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    except OSError:
+        return None
+    return int(environ[b"RANK"]) if b"RANK" in environ else None
 
 
 def _sample_rss(root_pid: int, nproc: int, peaks: dict[int, int]) -> None:
     """Record the peak RSS (VmHWM) of each rank among root_pid's descendants, keyed by rank."""
-    parents = _process_table()
-    family, frontier = {root_pid}, [root_pid]
-    while frontier:
-        pid = frontier.pop()
-        for child, parent in parents.items():
-            if parent == pid and child not in family:
-                family.add(child)
-                frontier.append(child)
-    for pid in family:
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                environ = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-            with open(f"/proc/{pid}/status") as f:
-                hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
-        except (OSError, StopIteration, ValueError):
-            continue
-        rank = int(environ[b"RANK"]) if b"RANK" in environ else (0 if nproc == 1 and pid == root_pid else None)
-        if rank is not None:
+    for pid in _descendants(root_pid):
+        rank = _rank_of(pid)
+        if rank is None and nproc == 1 and pid == root_pid:  # `python train_x.py`: the process is the rank
+            rank = 0
+        hwm = peak_rss_bytes(pid) if rank is not None else None
+        if hwm is not None:
             peaks[rank] = max(peaks.get(rank, 0), hwm)
 
 
-def _has_eval_at(metrics: Path, step: int) -> bool:
-    for line in metrics.read_text().splitlines():
+def records(out: Path, kind: str = "train") -> list[dict[str, Any]]:
+    """metrics.jsonl's records of one kind, by step; a line still being written is left out."""
+    path, found = out / "metrics.jsonl", []
+    for line in path.read_text().splitlines() if path.exists() else []:
         try:
-            record = json.loads(line)
-        except ValueError:  # the line being written
+            found.append(json.loads(line))
+        except ValueError:
             continue
-        if record.get("kind") == "eval" and record.get("step") == step:
-            return True
-    return False
+    return sorted((r for r in found if r.get("kind") == kind), key=lambda r: r["step"])
 
 
-def launch_and_watch(
-    cmd: list[str], *, out: Path, nproc: int, timeout_s: float, rss_until_eval_at: int | None = None
+def read_run_json(out: Path) -> dict[str, Any] | None:
+    path = out / "run.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def launch(
+    cmd: list[str],
+    *,
+    out: Path,
+    nproc: int,
+    timeout_s: float,
+    rss_until_eval_at: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Run `cmd`, noting when the first record appears in out/metrics.jsonl and each rank's peak RSS: to the
-    end, or up to the evaluation record of step `rss_until_eval_at` (a run that profiles steps after it: the
-    profiler's buffers are not the run's memory)."""
+    """Run `cmd` from the suite's root, noting when the first record appears in out/metrics.jsonl and each rank's
+    peak RSS: to the end, or up to the evaluation record of step `rss_until_eval_at` (a run that profiles steps
+    after it: the profiler's buffers are not the run's memory). Past `timeout_s` the whole launch is killed."""
     out.mkdir(parents=True, exist_ok=True)
-    metrics = out / "metrics.jsonl"
-    peaks: dict[int, int] = {}
+    metrics, peaks = out / "metrics.jsonl", {}
+    first_record_s, polls, watching_rss, size = None, 0, True, 0
     with open(out / "console.log", "w") as console:
         started = time.perf_counter()
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=launch_env(nproc), stdout=console, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        first_record_s, polls, watching_rss, size = None, 0, True, 0
+        where = dict(cwd=ROOT, env=env or launch_env(nproc), stdout=console, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, **where, start_new_session=True)  # a session of its own: killed as one
         while proc.poll() is None:
-            if first_record_s is None and metrics.exists() and metrics.stat().st_size > 0:
+            grown = metrics.exists() and metrics.stat().st_size != size
+            if first_record_s is None and grown:
                 first_record_s = time.perf_counter() - started
-            if watching_rss and polls % 10 == 0:
+            if watching_rss and polls % RSS_EVERY == 0:
                 _sample_rss(proc.pid, nproc, peaks)
-            if watching_rss and rss_until_eval_at and metrics.exists() and metrics.stat().st_size != size:
+            if watching_rss and rss_until_eval_at and grown:
                 size = metrics.stat().st_size  # read the records again only when there are new ones
-                if _has_eval_at(metrics, rss_until_eval_at):
-                    _sample_rss(proc.pid, nproc, peaks)  # the last sample, within a poll (20 ms) of the record
+                if any(r["step"] == rss_until_eval_at for r in records(out, "eval")):
+                    _sample_rss(proc.pid, nproc, peaks)  # the last sample, within a poll of the record
                     watching_rss = False
             polls += 1
             if time.perf_counter() - started > timeout_s:
-                os.killpg(proc.pid, 9)  # the whole session we started: torchrun and its workers
+                os.killpg(proc.pid, 9)  # torchrun (or bash) and its workers
                 proc.wait()
                 break
-            time.sleep(0.02)
-        wall_s = time.perf_counter() - started
+            time.sleep(POLL_S)
     return {
         "returncode": proc.returncode,
-        "wall_s": wall_s,
+        "wall_s": time.perf_counter() - started,
         "first_record_s": first_record_s,
         "peak_rss_bytes": [peaks.get(r) for r in range(nproc)],
     }
 
 
-def read_train_records(out: Path) -> list[dict[str, Any]]:
-    path = out / "metrics.jsonl"
-    if not path.exists():
-        return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return sorted((r for r in records if r["kind"] == "train"), key=lambda r: r["step"])
+def failure(out: Path, returncode: int) -> str:
+    """The script's own one-line error (or gloo's abort) if it printed one, else the last lines of the console."""
+    lines = (out / "console.log").read_text().strip().splitlines()
+    said = [
+        m.group(1)
+        for line in lines
+        if (m := re.search(r"(?:^|\]:? )((?:\w*Error|error): .*|terminate called.*)", line.strip()))
+        and "ChildFailedError" not in line
+    ]
+    return f"exit {returncode}: {said[0].strip() if said else ' | '.join(lines[-4:])}"
 
 
 def timing_stats(records: list[dict[str, Any]], *, warmup: int, timed: int | None, batch_size: int) -> dict[str, Any]:
@@ -127,42 +139,20 @@ def timing_stats(records: list[dict[str, Any]], *, warmup: int, timed: int | Non
     if not timed_records:
         return {}
     times = sorted(r["step_time_s"] for r in timed_records)
-
-    def quantile(q: float) -> float:
-        return times[min(len(times) - 1, max(0, round(q * (len(times) - 1))))]
-
-    stats = {
-        "timed_steps": len(timed_records),
-        "samples_per_s": batch_size * len(timed_records) / sum(times),
-        "step_time_s": {
-            "median": statistics.median(times),
-            "p10": quantile(0.1),
-            "p90": quantile(0.9),
-            "min": times[0],
-            "max": times[-1],
-            "mean": statistics.fmean(times),
-        },
-    }
+    quantile = lambda q: times[round(q * (len(times) - 1))]
+    step_time = dict(median=statistics.median(times), p10=quantile(0.1), p90=quantile(0.9), min=times[0], max=times[-1])
+    stats = {"timed_steps": len(times), "samples_per_s": batch_size * len(times) / sum(times)}
+    stats["step_time_s"] = {**step_time, "mean": statistics.fmean(times)}
     if all("data_time_s" in r for r in timed_records):
         stats["data_share"] = sum(r["data_time_s"] for r in timed_records) / sum(times)
     return stats
 
 
-def _failure(out: Path, returncode: int) -> str:
-    """The script's own one-line error if it printed one, else the last lines of the console."""
-    lines = (out / "console.log").read_text().strip().splitlines()
-    said = [
-        m.group(1)
-        for line in lines
-        if (m := re.search(r"(?:^|\]:? )((?:\w*Error|error): .*)", line.strip())) and "ChildFailedError" not in line
-    ]
-    why = said[0].strip() if said else " | ".join(lines[-4:])
-    return f"exit {returncode}: {why}"
-
-
 def run_json_facts(info: dict[str, Any]) -> dict[str, Any]:
     """What a row takes from the run's run.json: threads, each rank's tensor bytes, test accuracy, and a
     pipeline's layout (replicas and pipeline ranks, as the run itself reports them) and measured bubble."""
+    from tools.compare import state_bytes_per_rank
+
     facts = {
         "threads_per_process": info.get("threads_per_process"),
         "tensor_bytes_per_rank": state_bytes_per_rank(info),
@@ -170,94 +160,10 @@ def run_json_facts(info: dict[str, Any]) -> dict[str, Any]:
     }
     pipeline = info.get("pipeline")
     if pipeline:
-        facts["pipeline"] = {
-            "schedule": info["config"]["schedule"],
-            "replicas": info["config"]["dp"],
-            "pipeline_ranks": pipeline["pp_size"],
-            "stages": pipeline["n_stages"],
-        }
+        config = info["config"]
+        layout = dict(schedule=config["schedule"], replicas=config["dp"], pipeline_ranks=pipeline["pp_size"])
+        facts["pipeline"] = {**layout, "stages": pipeline["n_stages"]}
         bubble = pipeline.get("bubble")
         if bubble:  # the pipeline's own measurement: how busy each rank was
-            facts["pipeline_bubble"] = {
-                "measured": bubble.get("measured"),
-                "busy_fraction_per_rank": bubble.get("busy_fraction_per_rank"),
-            }
+            facts["pipeline_bubble"] = {k: bubble.get(k) for k in ("measured", "busy_fraction_per_rank")}
     return facts
-
-
-def _breakdown(spec: RunSpec, row: dict[str, Any], out: Path, s: Settings) -> dict[str, Any]:
-    """The step breakdown of a run that profiled steps after its timed ones, from rank 0's trace."""
-    about = {
-        "run": spec.name,
-        "command": row["command"],
-        "batch_size": spec.global_batch(s) // spec.nproc,  # per process
-        "threads": row.get("threads_per_process"),
-        "precision": spec.precision,
-        "profiled_steps": list(spec.profiled(s) or ()),
-        # the same run's timed steps, which ran without the profiler: what the profiler's own cost adds up to
-        "timed_step_ms": 1e3 * row["step_time_s"]["median"] if row.get("step_time_s") else None,
-    }
-    try:
-        return {**about, **trace_breakdown(out / "traces" / "rank0.json")}
-    except (OSError, KeyError, ValueError) as error:  # a measurement missing, not a benchmark stopped
-        return {**about, "error": f"{type(error).__name__}: {error}"}
-
-
-def run_one(spec: RunSpec, s: Settings, *, work: Path, timeout_s: float, attempt: int = 0) -> dict[str, Any]:
-    """Launch `spec` once, into work/<its folder>, and return its row."""
-    name = spec.folder + (f"_launch{attempt}" if attempt else "")
-    out = work / re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
-    shutil.rmtree(out, ignore_errors=True)
-    row: dict[str, Any] = {**asdict(spec), "out": str(out)}
-    if spec.script and not (ROOT / spec.script).exists():
-        return {**row, "ok": False, "error": f"{spec.script} does not exist (yet)"}
-    cmd = spec.command(s, out)
-    row["command"] = " ".join(cmd).replace(sys.executable, "python")
-    profiled = spec.profiled(s)
-    rss_until = profiled[0] - 1 if profiled else None  # the evaluation before the profiled steps (RunSpec.flags)
-    watched = launch_and_watch(cmd, out=out, nproc=spec.nproc, timeout_s=timeout_s, rss_until_eval_at=rss_until)
-    row.update(watched)
-    if watched["returncode"] != 0:
-        return {**row, "ok": False, "error": _failure(out, watched["returncode"])}
-    row["ok"] = True
-    records = read_train_records(out)
-    timed = None if spec.full else s.timed  # the full run: every step after the warm-up
-    row.update(timing_stats(records, warmup=s.warmup, timed=timed, batch_size=spec.global_batch(s)))
-    if records and watched["first_record_s"] is not None:
-        row["launch_to_first_step_s"] = watched["first_record_s"] - records[0]["step_time_s"]
-    if (out / "run.json").exists():
-        row.update(run_json_facts(json.loads((out / "run.json").read_text())))
-    if spec.profile_steps:
-        row["step_breakdown"] = _breakdown(spec, row, out, s)
-    return row
-
-
-def launch_all(
-    plan: Sequence[RunSpec], s: Settings, *, work: Path, repeats: int, timeout_s: float, say: Callable[[str], None]
-) -> list[dict[str, Any]]:
-    """One row per run of `plan`, in its order. The runs the acceptance compares (`scaling`) are launched
-    `repeats` times, in rounds (every one of them once, then again): a launch's speed moves by 5-10 % with the
-    machine's state and the allocator's history, and rounds let that noise hit the baseline and the
-    strategies alike. Each such row is its median launch, with every launch's samples/s in round order."""
-    order = [(i, spec) for i in range(repeats) for spec in plan if spec.scaling]
-    order += [(0, spec) for spec in plan if not spec.scaling]
-    launches: dict[int, list[dict[str, Any]]] = {id(spec): [] for spec in plan}
-    for i, spec in order:
-        rounds = f", round {i + 1} of {repeats}" if spec.scaling and repeats > 1 else ""
-        say(f"{spec.name} {spec.precision} x{spec.nproc} ({spec.launcher}){rounds}")
-        launch = run_one(spec, s, work=work, timeout_s=timeout_s, attempt=i)
-        if not launch["ok"]:
-            say(f"  failed: {launch['error']}")
-        else:
-            median_ms = 1e3 * launch.get("step_time_s", {}).get("median", 0)
-            say(f"  {launch.get('samples_per_s', 0):.0f} samples/s, median step {median_ms:.1f} ms")
-        launches[id(spec)].append(launch)
-    rows = []
-    for spec in plan:
-        attempts = launches[id(spec)]
-        done = sorted((a for a in attempts if a["ok"]), key=lambda a: a["samples_per_s"])
-        row = done[len(done) // 2] if done else attempts[0]
-        if len(attempts) > 1:  # in round order
-            row["samples_per_s_of_each_launch"] = [a.get("samples_per_s") for a in attempts]
-        rows.append(row)
-    return rows

@@ -1,9 +1,10 @@
-"""The machine the benchmark runs on: where the suite is, how many cores it may use, how busy the machine is
-and the environment a launched process gets. No torch here."""
+"""The machine the benchmarks run on: where the suite is, how many cores it may use, how busy the machine is,
+and how a launched process is started. No torch here."""
 
 from __future__ import annotations
 
 import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -12,15 +13,17 @@ ROOT = Path(__file__).resolve().parent.parent
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def launch_env(nproc: int = 1) -> dict[str, str]:
+def torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+
+
+def launch_env(nproc: int = 1, **extra: str) -> dict[str, str]:
     """This process's environment for a launch, without what would tie it to a torchrun of ours: each launch
     picks its own threads (the scripts: cores / local processes) and its own rendezvous."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
-    return {**env, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "PYTHON": sys.executable, "NPROC": str(nproc)}
+    tied = ("OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in tied}
+    ours = {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "PYTHON": sys.executable, "NPROC": str(nproc)}
+    return {**env, **ours, **extra}
 
 
 def wait_until_quiet(max_wait_s: float) -> bool:
@@ -43,11 +46,21 @@ def cpu_seconds() -> tuple[float, float]:
 
 
 def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what `platform` knows."""
     try:
         with open("/proc/cpuinfo") as f:
             return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
-        return "unknown CPU"
+        return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def peak_rss_bytes(pid: int | str = "self") -> int | None:
+    """A process's peak resident memory (VmHWM in /proc/<pid>/status); None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 class LoadWatch:

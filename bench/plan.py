@@ -5,11 +5,11 @@ planned run against the scripts' own flag checks in seconds."""
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
-from bench.machine import CORES
+from bench.machine import CORES, torchrun
 from common.config import SCHEDULES, SHARDINGS
 from common.pipeline_layout import SINGLE_STAGE_SCHEDULES
 
@@ -64,11 +64,8 @@ class RunSpec:
 
     def flags(self, s: Settings) -> list[str]:
         """Every flag of the launch but --out."""
-        own = [
-            *self.args,
-            *(["--precision", self.precision] if self.precision != "fp32" else []),
-            *(["--threads", str(self.threads)] if self.threads else []),
-        ]
+        own = [*self.args, *(["--precision", self.precision] if self.precision != "fp32" else [])]
+        own += ["--threads", str(self.threads)] if self.threads else []
         batch = ["--batch-size", str(self.global_batch(s))]
         if self.full:
             return [*own, *batch]
@@ -78,14 +75,10 @@ class RunSpec:
         steps = ["--max-steps", str(s.warmup + s.timed + self.profile_steps)]
         if self.strategy == "baseline":
             return [*own, *steps, *batch, *data]
-        profiled = self.profiled(s)
-        # A profiled run also evaluates right before its profiled steps, and launch_and_watch reads its peak RSS
-        # up to that evaluation: training and one evaluation, as in an unprofiled run, not the profiler's buffers.
-        profile = (
-            ["--profile-steps", f"{profiled[0]}:{profiled[1]}", "--eval-every", str(profiled[0] - 1)]
-            if profiled
-            else []
-        )
+        first, last = self.profiled(s) or (0, 0)
+        # A profiled run also evaluates right before its profiled steps, and the launch reads its peak RSS up to
+        # that evaluation (bench/launches.py): training and one evaluation, as in an unprofiled run.
+        profile = ["--profile-steps", f"{first}:{last}", "--eval-every", str(first - 1)] if first else []
         return [*own, *steps, *batch, "--log-every", "100000", "--test-size", str(s.test_size), *data, *profile]
 
     def command(self, s: Settings, out: Path) -> list[str]:
@@ -93,10 +86,8 @@ class RunSpec:
         if self.launcher == "run_ddp.sh":
             return ["bash", "run_ddp.sh", *args]
         target = ["-m", "bench.baseline"] if self.strategy == "baseline" else [self.script]
-        if self.nproc == 1 and self.launcher != "torchrun":
-            return [sys.executable, *target, *args]
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(self.nproc)]
-        return [*torchrun, *target, *args]
+        python = [sys.executable] if self.nproc == 1 and self.launcher != "torchrun" else torchrun(self.nproc)
+        return [*python, *target, *args]
 
 
 def schedule_flags(schedule: str, *, pipeline_ranks: int) -> list[str]:
@@ -119,6 +110,28 @@ def quick_plan() -> list[RunSpec]:
     ]
 
 
+def _scaling_runs(p: int, *, largest: int, bf16: bool) -> list[RunSpec]:
+    """The runs at `p` processes that the acceptance compares, launched in rounds."""
+    launcher = "python" if p == 1 else "torchrun"
+    # at the largest count, as a user starts it (bash run_ddp.sh): its launch time is an acceptance line
+    ddp_launcher = "run_ddp.sh" if p == largest and p > 1 else launcher
+    runs = [
+        RunSpec("baseline", "baseline", p, launcher=launcher),
+        RunSpec("ddp", "ddp", p, launcher=ddp_launcher, profile_steps=PROFILED_STEPS if p == 1 else 0),
+    ]
+    if bf16 and p == 1:  # right after its fp32 twin: the bf16 speed-up is a ratio of neighbours
+        runs.append(RunSpec("ddp", "ddp", 1, precision="bf16", launcher="python"))
+    runs.append(RunSpec("fsdp full", "fsdp", p, ["--sharding", "full"], launcher=launcher))
+    if p > 1:  # a pipeline needs at least two ranks to be one
+        runs.append(RunSpec("pipeline 1f1b", "pippy", p, schedule_flags("1f1b", pipeline_ranks=p)))
+    if p >= 4 and p % 2 == 0:
+        # two pipelines of p/2 stages, each on half the batch (on 4 processes: 2 micro-batches of 32, the
+        # size of the 4-stage pipeline's). With fewer cores than ranks, two heavy stages keep two cores busy.
+        flags = [*schedule_flags("1f1b", pipeline_ranks=p // 2), "--dp", "2", "--n-microbatches", str(max(2, p // 2))]
+        runs.append(RunSpec(f"pipeline 1f1b, 2 replicas × {p // 2} stages", "pippy", p, flags))
+    return [replace(spec, scaling=True) for spec in runs]
+
+
 def default_plan(
     procs: Sequence[int],
     *,
@@ -133,48 +146,11 @@ def default_plan(
     and the pipeline (1F1B); every other FSDP mode and pipeline schedule on `modes_procs` processes. The
     1-process DDP run, and one rank's share of the largest DDP run on a process of its own, profile their last
     steps for the step breakdown."""
-    n = max(procs)
-    plan: list[RunSpec] = []
-    for p in procs:
-        launcher = "python" if p == 1 else "torchrun"
-        plan.append(RunSpec("baseline", "baseline", p, launcher=launcher, scaling=True))
-        # at the largest count, as a user starts it (bash run_ddp.sh): its launch time is an acceptance line
-        ddp_launcher = "run_ddp.sh" if p == n and p > 1 else launcher
-        plan.append(
-            RunSpec("ddp", "ddp", p, launcher=ddp_launcher, scaling=True, profile_steps=PROFILED_STEPS if p == 1 else 0)
-        )
-        if bf16 and p == 1:  # right after its fp32 twin: the bf16 speed-up is a ratio of neighbours
-            plan.append(RunSpec("ddp", "ddp", 1, precision="bf16", launcher="python", scaling=True))
-        plan.append(RunSpec("fsdp full", "fsdp", p, ["--sharding", "full"], launcher=launcher, scaling=True))
-        if p > 1:  # a pipeline needs at least two ranks to be one
-            plan.append(RunSpec("pipeline 1f1b", "pippy", p, schedule_flags("1f1b", pipeline_ranks=p), scaling=True))
-        if p >= 4 and p % 2 == 0:
-            # two pipelines of p/2 stages, each on half the batch (on 4 processes: 2 micro-batches of 32, the
-            # size of the 4-stage pipeline's). With fewer cores than ranks, two heavy stages keep two cores busy.
-            replicas = ["--dp", "2", "--n-microbatches", str(max(2, p // 2))]
-            plan.append(
-                RunSpec(
-                    f"pipeline 1f1b, 2 replicas × {p // 2} stages",
-                    "pippy",
-                    p,
-                    [*schedule_flags("1f1b", pipeline_ranks=p // 2), *replicas],
-                    scaling=True,
-                )
-            )
-    if n > 1:
-        # what one rank of the largest DDP run does, alone: its share of the batch, on the threads it has there
-        plan.append(
-            RunSpec(
-                f"ddp, one rank's share of {n} processes",
-                "ddp",
-                1,
-                launcher="python",
-                batch_size=batch_size // n,
-                threads=max(1, CORES // n),
-                profile_steps=PROFILED_STEPS,
-            )
-        )
-    m = modes_procs
+    n, m = max(procs), modes_procs
+    plan = [spec for p in procs for spec in _scaling_runs(p, largest=n, bf16=bf16)]
+    if n > 1:  # what one rank of the largest DDP run does, alone: its share of the batch, on its threads there
+        share = dict(batch_size=batch_size // n, threads=max(1, CORES // n), profile_steps=PROFILED_STEPS)
+        plan.append(RunSpec(f"ddp, one rank's share of {n} processes", "ddp", 1, launcher="python", **share))
     for sharding in SHARDINGS[1:]:
         if sharding != "hybrid" or m % 2 == 0:
             plan.append(RunSpec(f"fsdp {sharding}", "fsdp", m, ["--sharding", sharding]))
@@ -182,14 +158,11 @@ def default_plan(
     for schedule in SCHEDULES:
         if schedule != "1f1b":
             plan.append(RunSpec(f"pipeline {schedule}", "pippy", m, schedule_flags(schedule, pipeline_ranks=m)))
-    if bf16:
-        # the default run in bf16, all of it: its test accuracy is an acceptance line
+    if bf16:  # the default run in bf16, all of it: its test accuracy is an acceptance line
         plan.append(RunSpec("ddp", "ddp", n, precision="bf16", launcher="run_ddp.sh", full=full_runs))
-        if more_bf16:
-            plan.append(RunSpec("fsdp full", "fsdp", n, ["--sharding", "full"], precision="bf16"))
-            plan.append(
-                RunSpec("pipeline 1f1b", "pippy", n, schedule_flags("1f1b", pipeline_ranks=n), precision="bf16")
-            )
+    if bf16 and more_bf16:
+        plan.append(RunSpec("fsdp full", "fsdp", n, ["--sharding", "full"], precision="bf16"))
+        plan.append(RunSpec("pipeline 1f1b", "pippy", n, schedule_flags("1f1b", pipeline_ranks=n), precision="bf16"))
     if threads_check and n > CORES:
         plan.append(RunSpec(f"ddp, {CORES} threads/rank", "ddp", n, threads=CORES))
     return plan

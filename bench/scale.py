@@ -4,27 +4,25 @@ the pipeline (1F1B), TP and FSDP x TP (2 x 2) on 4 processes, against what the p
     python -m bench.scale                          # baby .. large, a few minutes each for large: runs/scale/
     python -m bench.scale --sizes baby,small --steps 6
 
-For each run: the memory per rank the planner plans (python -m planner's peak of a step, and the training
-state) and what the run measured (run.json: --measure-peak), samples/s over the steps after the first, and the
-bytes each rank sends per step, from the model and the mesh (the textbook's ring: an all-reduce sends 2(n-1)/n
-of its data, an all-gather or reduce-scatter (n-1)/n; a pipeline stage its activations forward and their
-gradients back; TP each layer pair's output and its input's gradient, all-reduced). A run the memory wall
-refuses is not launched: the table says so, with what it would need. Writes scale.json, scale.md (the table)
-and scale.png (planned against measured, and speed).
+Per run: the memory per rank python -m planner plans and the run measured (--measure-peak), samples/s after the
+first step, and the bytes each rank sends per step (bytes_sent); a run the memory wall refuses is not launched.
+Writes scale.json, scale.md (the table) and scale.png; docs/scale.md reads them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
+import shutil
 import sys
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.machine import ROOT, launch_env
-from common.config import Config, ConfigError
+from bench import figures
+from bench.launches import failure, launch, read_run_json, records, run_json_facts
+from bench.report import md_table
+from common.config import Config
+from common.errors import ConfigError
 from common.model_sizes import layers, parameter_count, tp_layer_params, tp_pairs
 from runner.memory import MIB_PER_CPU_PROCESS, available_mib, check_memory
 
@@ -37,6 +35,7 @@ VARIANTS = {  # name -> (runner, flags)
     "fsdp x tp": ("tp", ["--dp", "2"]),
 }
 NPROC = 4
+TIMEOUT_S = 3600  # per launch: `large` trains at a few samples per second
 
 
 def bytes_sent(cfg: Config, nproc: int) -> float:
@@ -91,30 +90,18 @@ def run_one(size: str, variant: str, *, out: Path, steps: int) -> dict[str, Any]
     except ConfigError as e:  # the memory wall: what the runner would say, without launching
         return {**row, "fits": False, "refused": str(e)}
     folder = out / f"{size}-{variant.replace(' ', '-')}"
-    started = time.perf_counter()
-    proc = subprocess.run(
-        ["bash", f"run_{runner}.sh", *args, "--out", str(folder)],
-        cwd=ROOT,
-        env=launch_env(NPROC),
-        capture_output=True,
-        text=True,
-    )
-    row["wall_s"] = time.perf_counter() - started
-    if proc.returncode != 0:
-        return {**row, "fits": True, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
-    info = json.loads((folder / "run.json").read_text())
-    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    timed = [r for r in records if r["kind"] == "train" and r["step"] > 1]  # the first step sets things up
-    per_rank = info["memory"]["per_rank"]
-    return {
-        **row,
-        "fits": True,
-        "measured_peak_bytes": max(m["peak_bytes"] for m in per_rank),
-        "measured_state_bytes": max(m["param_bytes"] + m["grad_bytes"] + m["optim_bytes"] for m in per_rank),
-        "samples_per_s": sum(r["samples_per_s"] * r["step_time_s"] for r in timed)
-        / sum(r["step_time_s"] for r in timed),
-        "command": f"NPROC={NPROC} bash run_{runner}.sh " + " ".join(args),
-    }
+    shutil.rmtree(folder, ignore_errors=True)  # a previous launch's: the runner would move it aside, console and all
+    command = ["bash", f"run_{runner}.sh", *args]
+    ended = launch([*command, "--out", str(folder)], out=folder, nproc=NPROC, timeout_s=TIMEOUT_S)
+    row.update(fits=True, wall_s=ended["wall_s"])
+    if ended["returncode"] != 0:
+        return {**row, "error": failure(folder, ended["returncode"])}
+    info, timed = read_run_json(folder), [r for r in records(folder) if r["step"] > 1]  # the first sets things up
+    row["measured_peak_bytes"] = max(m["peak_bytes"] for m in info["memory"]["per_rank"])
+    row["measured_state_bytes"] = max(run_json_facts(info)["tensor_bytes_per_rank"])
+    seconds = sum(r["step_time_s"] for r in timed)
+    row["samples_per_s"] = sum(r["samples_per_s"] * r["step_time_s"] for r in timed) / seconds
+    return {**row, "command": f"NPROC={NPROC} " + " ".join(command)}
 
 
 def gb(n: float | None) -> str:
@@ -122,66 +109,21 @@ def gb(n: float | None) -> str:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        f"BabyCNN on {NPROC} CPU processes: memory per rank (GB, the rank that needs the most), planned by "
-        "python -m planner and measured (--measure-peak), speed, and the bytes each rank sends per step.",
-        "",
-        "| size | parameters | strategy | state planned | state measured | peak planned | peak measured | "
-        "samples/s | sent per step | |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    header = ["size", "parameters", "strategy", "state planned", "state measured", "peak planned", "peak measured"]
+    cells = []
     for r in rows:
-        p = r["planned"]
-        note = "" if r.get("fits", True) and not r.get("error") else (r.get("refused") or r.get("error", ""))[:140]
-        lines.append(
-            f"| {r['size']} | {r['parameters'] / 1e6:.1f} M | {r['variant']} | {gb(p['state_bytes'])} | "
-            f"{gb(r.get('measured_state_bytes'))} | {gb(p['peak_bytes'])} | {gb(r.get('measured_peak_bytes'))} | "
-            f"{r['samples_per_s']:.0f} | {r['bytes_sent_per_step'] / 1e6:.1f} MB | {note} |"
-            if r.get("samples_per_s")
-            else f"| {r['size']} | {r['parameters'] / 1e6:.1f} M | {r['variant']} | {gb(p['state_bytes'])} | - | "
-            f"{gb(p['peak_bytes'])} | - | - | {r['bytes_sent_per_step'] / 1e6:.1f} MB | does not fit: {note} |"
+        planned, speed = r["planned"], r.get("samples_per_s")
+        note = "" if speed else f"does not fit: {(r.get('refused') or r.get('error', ''))[:140]}"
+        cells.append(
+            [r["size"], f"{r['parameters'] / 1e6:.1f} M", r["variant"], gb(planned["state_bytes"])]
+            + [gb(r.get("measured_state_bytes")), gb(planned["peak_bytes"]), gb(r.get("measured_peak_bytes"))]
+            + [f"{speed:.0f}" if speed else "-", f"{r['bytes_sent_per_step'] / 1e6:.1f} MB", note]
         )
-    return "\n".join(lines) + "\n"
-
-
-def draw(rows: list[dict[str, Any]], out: Path, *, budget_bytes: float | None) -> None:
-    """Planned (o, dashed) and measured (x) peaks per rank; a refused run's plan hollow; the memory a process may
-    have here (`budget_bytes`) dotted."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_mem, ax_speed) = plt.subplots(1, 2, figsize=(14, 5))
-    for i, variant in enumerate(VARIANTS):
-        mine = [r for r in rows if r["variant"] == variant]
-        params = [r["parameters"] for r in mine]
-        ax_mem.plot(params, [r["planned"]["peak_bytes"] / 1e9 for r in mine], "o--", color=f"C{i}", label=f"{variant}")
-        measured = [(r["parameters"], r["measured_peak_bytes"] / 1e9) for r in mine if r.get("measured_peak_bytes")]
-        if measured:
-            ax_mem.plot(*zip(*measured), "x", color=f"C{i}", markersize=10)
-        refused = [(r["parameters"], r["planned"]["peak_bytes"] / 1e9) for r in mine if r.get("fits") is False]
-        if refused:
-            ax_mem.plot(*zip(*refused), "o", color="white", markeredgecolor=f"C{i}", markersize=12)
-        speed = [(r["parameters"], r["samples_per_s"]) for r in mine if r.get("samples_per_s")]
-        if speed:
-            ax_speed.plot(*zip(*speed), "o-", color=f"C{i}", label=variant)
-    if budget_bytes:
-        label = "what each of the processes may have here"
-        ax_mem.axhline(budget_bytes / 1e9, color="black", linestyle=":", linewidth=1, label=label)
-    ax_mem.set(
-        xscale="log",
-        yscale="log",
-        xlabel="parameters",
-        ylabel="GB per rank",
-        title=f"peak of a step per rank on {NPROC} processes: planned (o--), measured (x), refused (hollow)",
+    intro = (
+        f"BabyCNN on {NPROC} CPU processes: memory per rank (GB, the rank that needs the most), planned by "
+        "python -m planner and measured (--measure-peak), speed, and the bytes each rank sends per step."
     )
-    ax_speed.set(xscale="log", yscale="log", xlabel="parameters", ylabel="samples/s", title="training speed")
-    for ax in (ax_mem, ax_speed):
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    return "\n".join([intro, "", *md_table([*header, "samples/s", "sent per step", ""], cells)]) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -201,7 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "scale.json").write_text(json.dumps(rows, indent=1))
     (out / "scale.md").write_text(markdown(rows))
     available = available_mib()
-    draw(rows, out / "scale.png", budget_bytes=available and (available / NPROC - MIB_PER_CPU_PROCESS) * 2**20)
+    budget = available and (available / NPROC - MIB_PER_CPU_PROCESS) * 2**20  # what each process may hold here
+    figures.scale(rows, out / "scale.png", nproc=NPROC, budget_bytes=budget)
     print(markdown(rows))
     print(f"wrote {out / 'scale.json'}, {out / 'scale.md'}, {out / 'scale.png'}")
     return 0

@@ -4,7 +4,8 @@
     bash run_fsdp.sh --shard-units blocks --max-steps 6 --profile-steps 3:6 --out runs/fsdp-traffic
     python -m bench.traffic runs/fsdp-traffic --collectives runs/collectives/collectives.json
 
-For each rank and kind of collective: the elements and bytes the script predicted (run.json "traffic"), the
+For each rank and kind of collective: the elements and bytes the planner predicts for the run's configuration
+(planner/predict.py), the
 elements the profiler counted (run.json "profile"), and, for the collectives that gloo and NCCL run as spans of
 their own, the time they took per step beside the time bench.collectives measured for messages of that size.
 docs/communication.md reads the table.
@@ -16,9 +17,15 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import fields
 
 from bench.collectives import predict_time_s
+from bench.report import md_table
+from common.config import Config
+from planner.predict import traffic
 
+COLUMNS = ["rank", "collective", "predicted elements", "counted elements", "MB sent", "MB received", "calls"]
+COLUMNS += ["benchmark ms", "measured ms"]
 BACKEND_SPANS = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter"}
 
 
@@ -27,8 +34,10 @@ def rows(run: dict, results: list[dict] | None) -> list[dict]:
     profile = run.get("profile") or {}
     counted = {r["rank"]: r for r in profile.get("per_rank", [])}
     steps = (profile["steps"][1] - profile["steps"][0] + 1) if profile else 1
+    cfg = Config(**{f.name: run["config"][f.name] for f in fields(Config) if f.name in run["config"]})
     out = []
-    for rank, predicted in enumerate(run["traffic"]["per_rank"]):
+    for rank in range(run["world_size"]):
+        predicted = traffic(cfg, run["world_size"], rank)
         seen = counted.get(rank, {})
         for kind, entry in predicted.items():
             calls = seen.get("traffic", {}).get(kind, {}).get("calls")
@@ -67,23 +76,14 @@ def main(argv: list[str] | None = None) -> None:
                 run = json.load(f)
         except (OSError, ValueError) as e:
             sys.exit(f"error: {path}: no readable run.json ({e}); is this a finished run folder?")
-        if "traffic" not in run:
-            sys.exit(f"error: {path}: run.json has no traffic (written by an older version); run it again")
         print(f"{path}: {run['strategy']} on {run['world_size']} ranks")
-        keys = ["rank", "collective", "predicted elements", "counted elements", "MB sent", "MB received", "calls"]
-        keys += ["benchmark ms", "measured ms"]
-        print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
-        for row in rows(run, results):
-            cells = [_cell(row.get(k)) for k in keys]
-            print("| " + " | ".join(cells) + " |")
+        print("\n".join(md_table(COLUMNS, ([_cell(row.get(k)) for k in COLUMNS] for row in rows(run, results)))))
 
 
 def _cell(value: object) -> str:
-    if value is None:
-        return "-"
     if isinstance(value, float):
         return f"{value:.0f}" if value.is_integer() else f"{value:.2f}"
-    return str(value)
+    return "-" if value is None else str(value)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""Clean exits, measured: launch each runner many times on short settings and count the runs that exit 0.
+"""Clean exits, counted: launch each runner many times on short settings and count the runs that exit 0. A
+reliability check to run by hand, not a test pytest collects (it takes minutes to hours):
 
-    python -m bench.soak                        # 50 runs each of run_ddp.sh, run_fsdp.sh, run_pippy.sh, run_tp.sh
-    python -m bench.soak --runs 10 --scripts ddp --nproc 2
+    python -m tests.soak                        # 50 runs each of run_ddp.sh, run_fsdp.sh, run_pippy.sh, run_tp.sh
+    python -m tests.soak --runs 10 --scripts ddp --nproc 2
+    python -m tests.soak --json soak.json       # also write the counts and each failure
 
 A run that finished its work must exit 0, every time: torchrun reports any other exit code as a failed
 job. On gloo a finished process can still abort while it shuts down (`terminate called without an active
@@ -11,72 +13,43 @@ down; `teardown_distributed` (common/distributed.py) explains each and how it is
 trains 4 steps, writes two DCP checkpoints and evaluates; every second launch resumes the previous one's
 run (loads its checkpoint, trains 4 more steps), so that both shutdowns are exercised: the FSDP abort
 above showed in about 1 resumed run in 20 and almost never in a fresh one. Prints one line per failure
-and a summary.
+and a summary; exits 1 if any launch did not exit 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
-ROOT = Path(__file__).resolve().parent.parent
-SHORT = [
-    "--checkpoint-every",
-    "2",
-    "--train-size",
-    "512",
-    "--test-size",
-    "64",
-    "--batch-size",
-    "32",
-    "--log-every",
-    "1000",
-]
+from bench.launches import failure, launch
+
+SHORT = ["--checkpoint-every", "2", "--train-size", "512", "--test-size", "64", "--batch-size", "32"]
+TIMEOUT_S = 600  # per launch: a hung shutdown counts as a failure, not as a soak that never ends
 
 
-def soak(script: str, *, runs: int, nproc: int, work: Path) -> dict:
+def soak(script: str, *, runs: int, nproc: int, work: Path) -> dict[str, Any]:
     """Launch `bash run_<script>.sh` `runs` times; return the exit codes and why each failure failed."""
-    env = {**os.environ, "NPROC": str(nproc), "PYTHON": sys.executable}
-    codes, failures, seconds = [], [], []
+    failures, seconds = [], []
     for i in range(runs):
         resume = i % 2 == 1  # resume the previous launch's run: 4 more steps from its last checkpoint
         out = work / f"{script}-{i - resume}"
         flags = ["--max-steps", "8", "--resume"] if resume else ["--max-steps", "4"]
-        started = time.perf_counter()
-        proc = subprocess.run(
-            ["bash", f"run_{script}.sh", *SHORT, *flags, "--out", str(out)],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        seconds.append(time.perf_counter() - started)
-        codes.append(proc.returncode)
-        if proc.returncode != 0:
-            said = [line for line in proc.stderr.splitlines() if "terminate called" in line or "error" in line.lower()]
-            why = (said or proc.stderr.splitlines()[-1:] or [""])[0]
-            failures.append({"run": i, "resumed": resume, "exit": proc.returncode, "why": why})
-            print(f"  {script} run {i}{' (resumed)' if resume else ''}: exit {proc.returncode}: {why}", flush=True)
-    return {
-        "script": script,
-        "nproc": nproc,
-        "runs": runs,
-        "exit_0": codes.count(0),
-        "failures": failures,
-        "mean_s": sum(seconds) / len(seconds),
-    }
+        cmd = ["bash", f"run_{script}.sh", *SHORT, "--log-every", "1000", *flags, "--out", str(out)]
+        ended = launch(cmd, out=out, nproc=nproc, timeout_s=TIMEOUT_S)
+        seconds.append(ended["wall_s"])
+        if ended["returncode"] != 0:
+            why = failure(out, ended["returncode"])
+            failures.append({"run": i, "resumed": resume, "exit": ended["returncode"], "why": why})
+            print(f"  {script} run {i}{' (resumed)' if resume else ''}: {why}", flush=True)
+    exit_0, mean_s = runs - len(failures), sum(seconds) / len(seconds)
+    return {"script": script, "nproc": nproc, "runs": runs, "exit_0": exit_0, "failures": failures, "mean_s": mean_s}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tests.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=50, help="launches of each runner")
     parser.add_argument("--scripts", default="ddp,fsdp,pippy,tp", help="comma-separated: ddp, fsdp, pippy, tp")
     parser.add_argument("--nproc", type=int, default=4, help="processes per launch")
@@ -86,8 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="soak-") as work:
         for script in args.scripts.split(","):
             print(f"{script}: {args.runs} launches of run_{script}.sh on {args.nproc} processes", flush=True)
-            results.append(soak(script, runs=args.runs, nproc=args.nproc, work=Path(work)))
-            r = results[-1]
+            r = soak(script, runs=args.runs, nproc=args.nproc, work=Path(work))
+            results.append(r)
             print(f"{script}: {r['exit_0']} of {r['runs']} exited 0 ({r['mean_s']:.1f} s per launch)", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
