@@ -10,30 +10,22 @@ to DDP are marked `# [DDP]`.
 """
 
 from contextlib import nullcontext
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint, set_aside_previous_run
+from common.checkpoint import Checkpoints
 from common.cli import parse_config
 from common.clipping import clip_grad_norm
 from common.config import Config
 from common.data import GlobalBatchSampler, describe_data, load_dataset, to_device_batch
-from common.distributed import (
-    DistEnv,
-    RankLogger,
-    run,
-    seed_everything,
-    setup_distributed,
-    stop_requested,
-    teardown_distributed,
-)
+from common.distributed import DistEnv, RankLogger, run, seed_everything, setup_distributed, teardown_distributed
 from common.model import build_model
 from common.recorder import RunRecorder
-from common.runs import already_done, total_steps
-from common.traffic import Traffic, add
+from common.runs import total_steps
 from common.training import LossScaler, autocast, build_optimizer, evaluate, global_mean, lr_at, set_lr
 
 
@@ -49,33 +41,26 @@ def main(argv: list[str] | None = None) -> None:
         teardown_distributed()
 
 
-def apply_ddp(model: nn.Module, cfg: Config, env: DistEnv, *, init_sync: bool = True) -> DDP:
-    """[DDP] The wrap. python -m planner wraps with it too, on fake tensors (nothing to broadcast: init_sync=False)."""
+def apply_ddp(
+    model: nn.Module,
+    *,
+    device_ids: list[int] | None = None,
+    comm_hook: Callable | None = None,
+    compile: bool = False,
+    init_sync: bool = True,
+) -> DDP:
+    """[DDP] The wrap. `device_ids`: the one GPU this process trains on (None on a CPU); `comm_hook`: a function
+    that all-reduces a gradient bucket instead of DDP's own (register_comm_hook); `compile`: torch.compile the
+    wrapped model; `init_sync=False`: no broadcast of rank 0's weights (python -m planner wraps fake tensors)."""
     # [DDP] Hooks all-reduce gradients during backward; .grad lives in DDP's buckets (one copy fewer).
-    device_ids = [env.local_rank] if env.device.type == "cuda" else None
     model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True, init_sync=init_sync)
-    if cfg.allreduce == "ring":
-        from common.ring import ring_hook  # only with the flag
-
-        # [DDP] Each gradient bucket averaged by the ring all-reduce written out in common/ring.py (point-to-point
-        # sends) instead of gloo's or NCCL's own: the same sums, in another order (docs/communication.md).
-        model.register_comm_hook(None, ring_hook)
-    if cfg.compile:
-        from common.compiling import compile_modules  # only with the flag, like every optional feature
-
-        # [DDP] Compile the wrapped model, as DDP's notes ask (docs/training.md): dynamo's DDPOptimizer then
-        # splits the graph at DDP's bucket boundaries, so each bucket still all-reduces during backward.
-        compile_modules([model], env.device)
+    if comm_hook is not None:
+        model.register_comm_hook(None, comm_hook)  # [DDP] each bucket: comm_hook(None, bucket) -> a future
+    if compile:
+        # [DDP] Compile the wrapped model, as DDP's notes ask (docs/training.md): dynamo's DDPOptimizer then splits
+        # the graph at DDP's bucket boundaries, so each bucket still all-reduces during backward.
+        model.compile()
     return model
-
-
-def ddp_traffic(model: nn.Module, env: DistEnv) -> Traffic:
-    """[DDP] What each rank moves per step: one all-reduce of every gradient, bucket by bucket, on the last
-    accumulation step only (run.json "traffic"; docs/communication.md)."""
-    traffic: Traffic = {}
-    for p in model.parameters():
-        add(traffic, "all_reduce", elements=p.numel(), itemsize=p.element_size(), ranks=env.world_size)
-    return traffic
 
 
 def train(cfg: Config, env: DistEnv) -> None:
@@ -90,23 +75,20 @@ def train(cfg: Config, env: DistEnv) -> None:
     log(describe_data(data, sampler, split=cfg.batch_split(env.world_size), steps=steps))
 
     # ---- model: the same initial weights on every rank, because they depend on the seed alone
-    model = build_model(
-        size=cfg.model_size,
-        seed=cfg.seed,
-        in_channels=data.in_channels,
-        image_size=data.image_size,
-        num_classes=data.num_classes,
-        dropout=cfg.dropout,
-    ).to(env.device)
+    model = build_model(size=cfg.model_size, seed=cfg.seed, dropout=cfg.dropout, **data.shape).to(env.device)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"BabyCNN {cfg.model_size}: {n_params:,} parameters")
     seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
-    model = apply_ddp(model, cfg, env)  # [DDP]
+    comm_hook = None
+    if cfg.allreduce == "ring":
+        from common.ring import ring_hook as comm_hook  # only with the flag: the ring all-reduce written out
+
+    device_ids = [env.local_rank] if env.device.type == "cuda" else None
+    model = apply_ddp(model, device_ids=device_ids, comm_hook=comm_hook, compile=cfg.compile)  # [DDP]
     optimizer = build_optimizer(model.parameters(), cfg)
     scaler = LossScaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
 
-    start_step = 0
-    if path := checkpoint_to_resume(cfg, log=log):
+    def lay_out_buckets() -> None:
         # [DDP] After a process's first backward DDP (torch 2.14.1) lays its gradient buckets out again, in the
         # order the gradients became ready, and the layout decides the order in which gloo/NCCL sum each element.
         # A throwaway backward gives this process the layout the uninterrupted run has at this step, so it
@@ -115,13 +97,11 @@ def train(cfg: Config, env: DistEnv) -> None:
         with autocast(cfg, env.device):  # the loop's shape and precision: --compile traces no other graph
             model(x).sum().backward()
         model.zero_grad(set_to_none=True)  # DCP's load must find an optimizer that never saw a gradient
-        start_step = load_checkpoint(path, model=model, optimizers=[optimizer], scaler=scaler)
-        log(f"resumed from {path} (step {start_step})")
-    else:
-        set_aside_previous_run(cfg)  # a new run: a previous one in --out moves to <out>.N, never overwritten
-    if start_step >= steps:  # a finished run: nothing to train, nothing to rewrite
-        log(already_done(cfg.out, start_step, steps))
-        return
+
+    # resume or start afresh, save every --checkpoint-every steps, and on a preemption signal save and stop
+    checkpoints = Checkpoints(cfg, model, [optimizer], scaler, sampler=sampler, steps=steps, log=log)
+    if (start_step := checkpoints.start(before_load=lay_out_buckets)) is None:
+        return  # a finished run: nothing to train, nothing rewritten
     # metrics.jsonl, the console, --tensorboard, --profile-steps, memory, run.json: all in the recorder
     recorder = RunRecorder(cfg, env, start_step=start_step, total_steps=steps, parameters=n_params, logs=env.is_main)
     recorder.track_memory(model.parameters(), optimizer)  # what this rank keeps between steps
@@ -162,21 +142,13 @@ def train(cfg: Config, env: DistEnv) -> None:
             scaler.step(optimizer, grad_norm)  # fp16: not if the gradients overflowed (the same on every rank)
         # loss_sum is this rank's mean loss; the mean over ranks is the mean over the whole global batch
         recorder.train(step, loss=global_mean(loss_sum), lr=lr, grad_norm=grad_norm, scaler=scaler)
-        if cfg.eval_every and step % cfg.eval_every == 0 and step != steps:
+        if recorder.eval_due(step):
             run_eval(step)
-        # preemption: SIGTERM/SIGUSR1 on any rank, learnt by all ranks here (after the last step the run just ends)
-        stop = stop_requested() if step < steps else None
-        if stop or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-            save_checkpoint(
-                cfg, step, model=model, optimizers=[optimizer], scaler=scaler, steps_per_epoch=sampler.steps_per_epoch
-            )
-        if stop:  # every rank saved this step: a resumed run repeats the uninterrupted one bit for bit
-            log(f"stopped by {stop} after step {step} of {steps}, with its checkpoint: --resume continues")
-            recorder.close()
-            return
+        if checkpoints.end_of_step(step, recorder):
+            return  # stopped by a preemption signal, with this step's checkpoint
 
     run_eval(steps)
-    recorder.finish(traffic=ddp_traffic(model, env))
+    recorder.finish()
 
 
 if __name__ == "__main__":

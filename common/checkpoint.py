@@ -31,9 +31,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from common.config import Config
-from common.distributed import collective_device
+from common.distributed import collective_device, stop_requested
 from common.errors import UserError, WriteError, write_error_in
 from common.runs import (
+    already_done,
     check_resume,
     checkpoint_dir,
     complete_checkpoints,
@@ -45,6 +46,8 @@ from common.runs import (
 )
 
 if TYPE_CHECKING:
+    from common.data import GlobalBatchSampler
+    from common.recorder import RunRecorder
     from common.training import LossScaler
 
 # Optimizer state keyed by parameter name (optim.state.conv1.weight.exp_avg, optim.param_groups.conv1.weight.lr).
@@ -286,3 +289,58 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+class Checkpoints:
+    """A run's checkpoints and how it ends, the same in every script: `start` resumes from the latest checkpoint
+    (with --resume, or after torchrun restarted the group) or sets a previous run in --out aside; `end_of_step` saves
+    every --checkpoint-every steps, and when a preemption signal reached any rank saves that step and stops. Every
+    rank calls both. `model` and `optimizers` are what this rank holds (a pipeline rank: its stages)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        model: nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        scaler: LossScaler,
+        *,
+        sampler: GlobalBatchSampler,
+        steps: int,
+        log: Callable[[str], None],
+    ) -> None:
+        self.cfg, self.model, self.optimizers, self.scaler, self.log = cfg, model, optimizers, scaler, log
+        self.steps, self.steps_per_epoch = steps, sampler.steps_per_epoch  # (a checkpoint records the epoch's length)
+
+    def start(self, *, before_load: Callable[[], None] | None = None) -> int | None:
+        """The step this run continues after: 0 for a new run, or the resumed checkpoint's; None when that already
+        ends the run (one line says so, nothing is rewritten). `before_load` runs just before a checkpoint loads."""
+        step = 0
+        if path := checkpoint_to_resume(self.cfg, log=self.log):
+            if before_load:
+                before_load()
+            step = load_checkpoint(path, model=self.model, optimizers=self.optimizers, scaler=self.scaler)
+            self.log(f"resumed from {path} (step {step})")
+        else:
+            set_aside_previous_run(self.cfg)  # a new run: a previous one in --out moves to <out>.N, never overwritten
+        if step >= self.steps:
+            self.log(already_done(self.cfg.out, step, self.steps))
+            return None
+        return step
+
+    def end_of_step(self, step: int, recorder: RunRecorder) -> bool:
+        """After step `step`: its checkpoint if one is due or a preemption signal (SIGTERM, --preempt-signal) reached
+        any rank; True if the run stops here (every rank saved this step: a resume repeats the run bit for bit)."""
+        stop = stop_requested() if step < self.steps else None  # (after the last step the run just ends)
+        if stop or (self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0):
+            save_checkpoint(
+                self.cfg,
+                step,
+                model=self.model,
+                optimizers=self.optimizers,
+                scaler=self.scaler,
+                steps_per_epoch=self.steps_per_epoch,
+            )
+        if stop:
+            self.log(f"stopped by {stop} after step {step} of {self.steps}, with its checkpoint: --resume continues")
+            recorder.close()
+        return bool(stop)

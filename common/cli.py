@@ -12,7 +12,8 @@ import textwrap
 from dataclasses import fields
 from typing import Sequence
 
-from common.config import STRATEGIES, STRATEGY_FLAGS, Config, ConfigError
+from common.config import STRATEGIES, STRATEGY_FLAGS, Config
+from common.errors import ConfigError
 
 
 @functools.cache  # parsing the source costs ~30 ms, and a process may build several parsers

@@ -14,9 +14,11 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import os
+import shutil
 from dataclasses import dataclass, fields
 
-from common.errors import UserError
+from common.errors import ConfigError
 
 DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10")
 # --model-size: (width of the classifier's hidden layers, how many); common/model_sizes.py has what each holds
@@ -63,10 +65,6 @@ ZERO_MEANS = {
     "keep": "keep all",
     "threads": "automatic",
 }
-
-
-class ConfigError(UserError, ValueError):
-    """A flag has a bad value. The message names the flag and says what to do."""
 
 
 @dataclass
@@ -213,6 +211,8 @@ class Config:
         self.check_loss_scale()
         need(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), got {self.dropout}")
         self.check_observability(on_cpu=(device_type or self.device) == "cpu")
+        if self.compile and device_type:
+            require_compiler(device_type)
         # the built-in data set's size is a flag, so this is known before any worker starts (for the
         # torchvision ones the sampler says the same once the data is loaded)
         too_big = self.dataset == "digits" and self.batch_size > self.train_size
@@ -244,7 +244,9 @@ class Config:
             raise ConfigError(f"--loss-scale: must be a power of two, 1 or more (e.g. 65536), got {self.loss_scale}")
 
     def check_world_size(self, world_size: int) -> None:
-        """The checks that need the number of processes: every rank must get an equal share of a batch."""
+        """The checks that need the number of processes: every rank must get an equal share of a batch. (What a
+        pipeline's or TP's layout needs, they check themselves, in train_pippy.py and train_tp.py, and the
+        runners' preflight before torchrun.)"""
         replicas = self.data_parallel_size(world_size)
         if self.strategy in ("pippy", "tp") and world_size % self.dp:
             raise ConfigError(
@@ -257,14 +259,7 @@ class Config:
                 f"--batch-size: the global batch {self.batch_size} (/ --grad-accum-steps {self.grad_accum_steps}) "
                 f"does not split evenly over {replicas} {what}; use a multiple of {replicas * self.grad_accum_steps}"
             )
-        if self.strategy == "pippy":
-            from common.pipeline_layout import PipelineLayout  # pipeline-only: DDP and FSDP never load it
-
-            PipelineLayout.of(self, world_size).check(chunk_size=self.chunk_size(world_size), compile=self.compile)
-        if self.strategy == "tp":
-            from common.model_sizes import check_tp_degree  # TP-only, as the pipeline's layout above
-
-            check_tp_degree(self.model_size, tp=world_size // self.dp, dp=self.dp)
+        # the pipeline's and TP's own checks are theirs: PipelineLayout.check, model_sizes.check_tp_degree
         if self.strategy == "fsdp" and self.sharding == "hybrid" and (world_size < 2 or world_size % 2):
             raise ConfigError(f"--sharding: hybrid needs an even world size (2 replicas x shards), got {world_size}")
 
@@ -295,6 +290,18 @@ class Config:
             tp, steps = world_size // self.dp, self.grad_accum_steps
             return f"{self.dp} replicas x {steps} accumulation steps x {chunk} (the same on its {tp} TP ranks)"
         return f"{world_size} ranks x {self.grad_accum_steps} accumulation steps x {chunk}"
+
+
+def require_compiler(device_type: str) -> None:
+    """ConfigError unless inductor can build code for `device_type` (cpu: a C++ compiler; cuda: Triton): said in one
+    line here, not from deep inside inductor at the first step, on every rank at once."""
+    if device_type == "cpu" and not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")):
+        raise ConfigError(
+            "--compile: inductor's CPU backend needs a C++ compiler and none was found (g++, clang++ or $CXX); "
+            "install one (apt-get install g++) or run without --compile"
+        )
+    if device_type == "cuda" and importlib.util.find_spec("triton") is None:
+        raise ConfigError("--compile: inductor's CUDA backend needs Triton; pip install triton, or drop --compile")
 
 
 def batch_larger_than_data(batch_size: int, n_samples: int) -> str:

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.config import Config, ConfigError, batch_larger_than_data
+from common.config import Config, batch_larger_than_data
+from common.errors import ConfigError
 
 
 @dataclass
@@ -38,6 +39,11 @@ class DataSet:
     @property
     def image_size(self) -> int:
         return self.train.images.shape[-1]
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """What the model must know of the images: `build_model(..., **data.shape)`."""
+        return {"in_channels": self.in_channels, "image_size": self.image_size, "num_classes": self.num_classes}
 
 
 # Fixed normalisation constants, so that every process normalises with bit-identical numbers.

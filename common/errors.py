@@ -8,6 +8,10 @@ class UserError(Exception):
     """Bad input: a flag, a missing data set, an unusable checkpoint. The message says what to do."""
 
 
+class ConfigError(UserError, ValueError):
+    """A flag has a bad value. The message names the flag and says what to do."""
+
+
 def fail(message: str) -> NoReturn:
     """Print one error line and exit 2: what every entry point does with a UserError."""
     print(f"error: {message}", file=sys.stderr)

@@ -1,5 +1,6 @@
-"""BabyCNN: the one model every strategy trains, at every `--model-size`. What each size holds, and where a
-pipeline cuts it: common/model_sizes.py; FSDP's units: train_fsdp.py.
+"""BabyCNN: the one model every strategy trains, at every `--model-size`, and how it is split: its blocks (FSDP's
+units) and its tensor-parallel plan, which the scripts hand to their wraps. What each size holds, and where a
+pipeline cuts it: common/model_sizes.py (no torch there: the runners' checks read it before torchrun starts).
 
 BabyCNN is an `nn.Sequential` of named layers, so a parameter has the same name (`conv2.weight`,
 `fc1.bias`, ...) in the whole model, in a DDP/FSDP-wrapped model and in any pipeline stage. That is what
@@ -12,6 +13,7 @@ from collections import OrderedDict
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from common.config import MODEL_SIZES
 
@@ -52,6 +54,22 @@ class BabyCNN(nn.Sequential):
         for i in range(1, depth):  # a stack of equal layers: FSDP units, places to cut the pipeline
             layers += [(f"hidden{i}", nn.Linear(width, width)), (f"relu_hidden{i}", nn.ReLU())]
         super().__init__(OrderedDict([*layers, ("fc2", nn.Linear(width, num_classes))]))
+
+    def blocks(self) -> list[list[nn.Module]]:
+        """The model in consecutive blocks of layers, FSDP's units (`--shard-units blocks`): the features, then the
+        classifier, whole for baby (its fc1 holds 93 % of the parameters: a layer at a time would gather almost the
+        same peak for 2.5x the collectives), a layer at a time for the larger sizes (fc2 with the last)."""
+        names = list(self._modules)
+        starts = [0, names.index("flatten"), *(i for i, name in enumerate(names) if name.startswith("hidden"))]
+        return [[self._modules[n] for n in names[a:b]] for a, b in zip(starts, [*starts[1:], len(names)])]
+
+    def tp_plan(self) -> dict[str, ParallelStyle]:
+        """Tensor parallelism's plan: the classifier's linear layers in pairs, the first split by its outputs
+        (column-wise), the second by its inputs (row-wise: the TP ranks' partial outputs are summed), as Megatron
+        splits an MLP. An odd last one and the convolutions stay whole on every TP rank."""
+        linears = [name for name, layer in self.named_children() if isinstance(layer, nn.Linear)]
+        pairs = zip(linears[0::2], linears[1::2])
+        return {name: style() for pair in pairs for name, style in zip(pair, (ColwiseParallel, RowwiseParallel))}
 
 
 def build_model(

@@ -10,9 +10,9 @@ shard, and the pipeline can cut between any two of them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from common.config import MODEL_SIZES, ConfigError
+from common.config import MODEL_SIZES
+from common.errors import ConfigError
 
 # The input each data set gives the model: channels, image side, classes.
 DATASET_SHAPES = {"digits": (1, 28, 10), "mnist": (1, 28, 10), "fashion-mnist": (1, 28, 10), "cifar10": (3, 32, 10)}
@@ -54,13 +54,6 @@ def parameter_count(size: str, dataset: str = "digits") -> int:
     return sum(layer.params for layer in layers(size, dataset))
 
 
-def state_bytes_theory(n_params: int, *, shards: int, optimizer: str) -> dict[str, Any]:
-    """The textbook's training state per rank: per parameter 4 + 4 bytes (fp32 weight, gradient) and the
-    optimizer's state (AdamW 8, SGD 4), divided by the ranks that share it (what it leaves out: docs/fsdp.md)."""
-    per_param = {"param_bytes": 4, "grad_bytes": 4, "optim_bytes": 8 if optimizer == "adamw" else 4}
-    return {"parameters": n_params, "shards": shards, **{k: v * n_params / shards for k, v in per_param.items()}}
-
-
 def tp_pairs(size: str) -> list[tuple[str, str]]:
     """The classifier's linear layers that tensor parallelism splits, as (column-wise, row-wise) pairs: fc1 and
     the next, and so on. An odd last one (fc2 after an even number of hidden layers) is not in a pair."""
@@ -84,19 +77,26 @@ def tp_layer_params(size: str, tp: int, dataset: str = "digits") -> dict[str, fl
     """The parameters one TP rank of `tp` holds of each layer: a column-wise layer's weight and bias are split, a
     row-wise layer's weight (its bias, of its whole output, is not: every rank adds it once the partial outputs
     are summed); the other layers are whole."""
-    split = _tp_split_params(size, dataset)
+    split = tp_split_params(size, dataset)
     return {layer.name: layer.params - split.get(layer.name, 0) * (1 - 1 / tp) for layer in layers(size, dataset)}
 
 
+def blocks(size: str) -> list[list[str]]:
+    """The layers of each of BabyCNN's blocks, FSDP's units (`BabyCNN.blocks` groups the built layers the same way):
+    the features, then the classifier, whole for baby, a layer at a time for the larger sizes (fc2 with the last)."""
+    names = [layer.name for layer in layers(size)]
+    starts = [0, names.index("flatten"), *(i for i, name in enumerate(names) if name.startswith("hidden"))]
+    return [names[a:b] for a, b in zip(starts, [*starts[1:], len(names)])]
+
+
 def tp_fsdp_units(size: str, tp: int, dataset: str = "digits") -> list[float]:
-    """FSDP x TP's units, as train_tp.py makes them: the parameters a TP rank holds of each linear layer, then of
-    the rest (the root unit)."""
+    """FSDP x TP's units, as train_tp.py makes them: the parameters a TP rank holds of each block (the root holds
+    none of its own)."""
     held = tp_layer_params(size, tp, dataset)
-    linears = [n for name, n in held.items() if name.startswith(("fc", "hidden"))]
-    return [*linears, sum(held.values()) - sum(linears)]
+    return [sum(held[name] for name in block) for block in blocks(size)]
 
 
-def _tp_split_params(size: str, dataset: str) -> dict[str, int]:
+def tp_split_params(size: str, dataset: str) -> dict[str, int]:
     """The parameters TP splits, by layer."""
     by_name = {layer.name: layer for layer in layers(size, dataset)}
     split = {}
@@ -104,22 +104,6 @@ def _tp_split_params(size: str, dataset: str) -> dict[str, int]:
         split[col] = by_name[col].params
         split[row] = by_name[row].params - by_name[row].outputs  # the weight; the bias has one value per output
     return split
-
-
-def tp_state_bytes_theory(size: str, *, tp: int, dp: int, optimizer: str, dataset: str = "digits") -> dict[str, Any]:
-    """The training state per rank under TP (x FSDP over `dp` replicas): what tp_layer_params gives a TP rank,
-    divided by `dp`."""
-    held = tp_layer_params(size, tp, dataset)
-    split = sum(_tp_split_params(size, dataset).values())
-    per_param = state_bytes_theory(1, shards=1, optimizer=optimizer)
-    return {
-        "parameters": parameter_count(size, dataset),
-        "split_parameters": split,
-        "tp": tp,
-        "dp": dp,
-        **{k: per_param[k] * sum(held.values()) / dp for k in ("param_bytes", "grad_bytes", "optim_bytes")},
-        "split_param_bytes": 4 * split / tp / dp,  # of param_bytes: the split parameters' (DDP's: 4 * split)
-    }
 
 
 # Where a stage may start. `flatten` always opens a stage: its output is a view, and the zero-bubble schedules

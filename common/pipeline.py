@@ -1,55 +1,22 @@
-"""The parts of pipeline training that are not the pipeline itself: the schedule table, the cut (where is in
-common/pipeline_layout.py), compiling a stage, and a forward-only walk through the stages for evaluation where
-the schedule cannot do it.
+"""The parts of pipeline training that are not the pipeline itself: the cut (where is in
+common/pipeline_layout.py), compiling a stage, and evaluation through the stages.
 
-train_pippy.py keeps the strategy lines (the cut, the stages, the schedule, the loop); where the stages live
+train_pippy.py keeps the strategy lines (the stages, the schedule, the loop); where the stages live
 is common/pipeline_layout.py, and when each action ran (the bubble, the timeline) common/pipeline_actions.py.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Sequence
+from typing import Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
-)
 
-from common.compiling import require_compiler
+from common.config import require_compiler
 from common.distributed import collective_device
-from common.pipeline_layout import SINGLE_STAGE_SCHEDULES, PipelineLayout
-
-SCHEDULE_CLASSES = {
-    "gpipe": ScheduleGPipe,  # all forwards, then all backwards (fill, drain)
-    "1f1b": Schedule1F1B,  # one forward, one backward in the steady state
-    "interleaved-1f1b": ScheduleInterleaved1F1B,  # 1F1B over several (looped) stages per rank
-    "looped-bfs": ScheduleLoopedBFS,  # breadth first: all micro-batches of a stage at once
-    "interleaved-zb": ScheduleInterleavedZeroBubble,  # backward split in input and weight parts (ZB1P)
-    "zbv": ScheduleZBVZeroBubble,  # zero bubble, stages placed in a V
-    "dualpipev": ScheduleDualPipeV,  # DeepSeek's DualPipe, V placement
-}
-
-
-def build_schedule(name: str, stages: list, n_microbatches: int, loss_fn: Callable) -> object:
-    """The schedule object for `name`; single-stage schedules take this rank's one stage."""
-    schedule_class = SCHEDULE_CLASSES[name]
-    # scale_grads=False: the loss function already divides by the number of micro-batches (see
-    # train_pippy.py). The default, True, divides every .grad by n_microbatches after the step's last
-    # backward -- correct for one step() of mean losses, but it would also shrink gradients that an earlier
-    # step() accumulated (--grad-accum-steps), and the losses it reports are per-micro-batch means.
-    kwargs = {"n_microbatches": n_microbatches, "loss_fn": loss_fn, "scale_grads": False}
-    if name in SINGLE_STAGE_SCHEDULES:
-        return schedule_class(stages[0], **kwargs)
-    return schedule_class(stages, **kwargs)
+from common.pipeline_layout import PipelineLayout
 
 
 def compile_stages(modules: list[nn.Module], device: torch.device) -> None:
@@ -133,3 +100,31 @@ def forward_stage_by_stage(
         if s < last and layout.owner(s + 1) != pp_rank:
             dist.send(x.float().contiguous(), group=group, group_dst=layout.owner(s + 1))
     return x if layout.owner(last) == pp_rank else None
+
+
+def eval_forward(
+    schedule: object,
+    modules: dict[int, nn.Module],
+    *,
+    layout: PipelineLayout,
+    shapes: list,
+    group: dist.ProcessGroup,
+    precision: Callable[[], ContextManager],
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]:
+    """`forward(images, labels)` for evaluation on this pipeline rank: the logits on the last stage's rank, None on
+    the others. schedule.eval() runs the step's micro-batches forward only (the first stage takes the images, the
+    last the labels: its loss function runs, and the schedule returns the logits). Where two consecutive stages
+    share a rank the schedule hands activations over locally, and that path fails forward-only (torch 2.14.1:
+    "can't steal_bwd_input if this stage doesn't have backward"): the stages are walked in order instead.
+    `precision`: the training's autocast, for the same arithmetic."""
+    mine = layout.stages_of(dist.get_rank(group))
+    first, last = 0 in mine, layout.n_stages - 1 in mine
+
+    def forward(images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        with precision():
+            if layout.local_handoff:
+                images = images if first else None
+                return forward_stage_by_stage(modules, images, layout=layout, shapes=shapes, group=group)
+            return schedule.eval(*([images] if first else []), target=labels if last else None)
+
+    return forward

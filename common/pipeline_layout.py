@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from common.config import ConfigError
+from common.errors import ConfigError
 from common.model_sizes import max_stages, stage_starts
 
 if TYPE_CHECKING:
@@ -70,6 +70,10 @@ class PipelineLayout:
         """Two consecutive stages on one rank (always in a V; any pipeline of one rank): the schedule hands the
         activation over in memory instead of sending it."""
         return any(self.owner(s) == self.owner(s + 1) for s in range(self.n_stages - 1))
+
+    def __str__(self) -> str:  # the start-up line's
+        world = self.dp * self.pp_size
+        return f"{world} processes = {self.dp} replica(s) x {self.pp_size} pipeline ranks, {self.n_stages} stages"
 
     def describe(self) -> dict[str, object]:
         """run.json's view of the layout."""

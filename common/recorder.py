@@ -21,10 +21,6 @@ from common.runs import latest_checkpoint_line
 from common.training import LossScaler, check_finite
 
 _OFF = contextlib.nullcontext()  # reusable: entering it does nothing
-TRAFFIC_DEFINITION = (
-    "per rank, per optimizer step, predicted from the model and the mesh: each kind of collective's elements and the "
-    "bytes the ring algorithm sends and receives for it (common/traffic.py); single numbers (loss, norm) left out"
-)
 
 
 class RunRecorder:
@@ -130,6 +126,10 @@ class RunRecorder:
         if self.peak:
             self.peak.ends(step)
 
+    def eval_due(self, step: int) -> bool:
+        """Whether --eval-every asks for an evaluation after step `step` (the final one comes after the loop)."""
+        return bool(self.cfg.eval_every) and step % self.cfg.eval_every == 0 and step != self.total_steps
+
     def eval(self, step: int, test_loss: float, test_accuracy: float) -> None:
         self.last_eval = {"kind": "eval", "step": step, "test_loss": test_loss, "test_accuracy": test_accuracy}
         self._write(self.last_eval)
@@ -140,20 +140,11 @@ class RunRecorder:
                 flush=True,
             )
 
-    def finish(
-        self,
-        *,
-        traffic: dict[str, Any],
-        memory_theory: dict[str, Any] | None = None,
-        files: Iterable[str] = (),
-        **sections: Any,
-    ) -> None:
+    def finish(self, *, files: Iterable[str] = (), **sections: Any) -> None:
         """End the run (every rank calls this: it gathers). run.json gets each rank's memory (what track_memory
-        was given; the peak with --measure-peak) next to `memory_theory`, each rank's predicted `traffic` per
-        step (common/traffic.py), the profile, and the strategy's own `sections` (mesh=..., pipeline=...); the
-        final line names `files`, the others the run wrote."""
+        was given; the peak with --measure-peak), the profile, and the strategy's own `sections` (mesh=...,
+        pipeline=...); the final line names `files`, the others the run wrote."""
         mine = {"rank": self.env.rank, **measure_memory(self.params, self.optimizer, self.env.device)}
-        mine["traffic"] = traffic  # (gathered with the memory, then given its own section)
         if self.parts:
             mine["param_bytes_of"] = {name: _bytes(part) for name, part in self.parts.items()}
         per_rank: list[Any] = [None] * dist.get_world_size()
@@ -161,10 +152,9 @@ class RunRecorder:
         peak = {"peak_bytes": self.peak.bytes, "allocator_peak_bytes": self.peak.allocator_bytes} if self.peak else {}
         dist.all_gather_object(per_rank, {**mine, **peak})
         skipped = [r.pop("skipped_steps") for r in per_rank]
-        sections["traffic"] = {"per_rank": [r.pop("traffic") for r in per_rank], "definition": TRAFFIC_DEFINITION}
         if self.cfg.precision == "fp16":
             sections["loss_scaling"] = {"skipped_steps_per_rank": skipped}
-        memory = {"per_rank": per_rank, **({"theory": memory_theory} if memory_theory else {})}
+        memory: dict[str, Any] = {"per_rank": per_rank}
         if self.peak:
             memory["peak"] = self.peak.describe()
         profile = self.profiler.report() if self.profiler else None

@@ -13,7 +13,8 @@ import hashlib
 import os
 import re
 
-from common.config import Config, ConfigError
+from common.config import Config
+from common.errors import ConfigError
 
 # The settings that decide which weights step s produces: a resume with another value is refused.
 TRAJECTORY = (

@@ -4,7 +4,7 @@ In one process, for any world size: a fake process group (`torch.testing._intern
 collectives that return at once and move nothing) stands in for the other ranks, and `FakeTensorMode` gives
 every tensor a shape, a dtype and a device but no memory, so a 7 B model costs nothing. The model is built
 by `common.model.build_model` and wrapped by the scripts' own functions (`apply_ddp`, `fsdp_mesh` and
-`apply_fsdp`, `apply_pipeline` and `make_schedule`, `tp_mesh` and `apply_tp`); the optimizer is
+`apply_fsdp`, `apply_pipeline` and `make_schedule`, `apply_tp`); the optimizer is
 `build_optimizer`'s. What this rank holds is counted as a run counts it: `measure_memory` for the state
 (run.json's param/grad/optim bytes), and `common.memory_peak.PeakBytes` for the peak of a step (run.json's
 peak_bytes with --measure-peak).
@@ -30,7 +30,7 @@ from common.memory_peak import PeakBytes, state_tensors
 from common.model import build_model
 from common.model_sizes import DATASET_SHAPES
 from common.recorder import measure_memory
-from common.training import LossScaler, build_optimizer
+from common.training import build_optimizer
 
 
 @dataclass
@@ -111,8 +111,7 @@ def _ddp_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
         model = _model(cfg)
         tracker = PeakBytes(model.parameters())
         with tracker:  # DDP allocates its gradient buckets as it wraps: they count from there
-            model = apply_ddp(model, cfg, env, init_sync=False)
-            model.register_comm_hook(None, noop_hook)
+            model = apply_ddp(model, comm_hook=noop_hook, init_sync=False)
             optimizer = build_optimizer(model.parameters(), cfg)
             _warm(list(model.parameters()), optimizer)
         buckets = tracker.live
@@ -126,11 +125,22 @@ def _ddp_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
 
 
 def _fsdp_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
+    from common.training import low_precision
     from train_fsdp import apply_fsdp, fsdp_mesh
 
-    mesh = fsdp_mesh(cfg, env)  # outside the fake mode: making a mesh communicates
+    replicas = {"full": 1, "grad-op": 1, "hybrid": 2, "none": env.world_size}[cfg.sharding]  # as train_fsdp.py
+    mesh = fsdp_mesh("cpu", env.world_size, replicas)  # outside the fake mode: making a mesh communicates
     with fake_mode():
-        model = apply_fsdp(_model(cfg), mesh, cfg, env)
+        model = _model(cfg)
+        units = model.blocks() if cfg.shard_units == "blocks" else []
+        model = apply_fsdp(
+            model,
+            mesh,
+            units=units,
+            param_dtype=low_precision(cfg),
+            reshard_after_forward=cfg.sharding != "grad-op",
+            activation_checkpointing=cfg.activation_checkpointing,
+        )
         optimizer = build_optimizer(model.parameters(), cfg)
         _warm(list(model.parameters()), optimizer)
         tracker = PeakBytes(state_tensors(model.parameters(), optimizer))
@@ -147,11 +157,12 @@ def _tp_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
     from unittest import mock
 
     from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    from train_tp import apply_tp, tp_mesh
+    from train_tp import apply_tp
 
-    mesh = tp_mesh(cfg, env)  # outside the fake mode: making a mesh communicates
+    # outside the fake mode: making a mesh communicates
+    mesh = init_device_mesh("cpu", (cfg.dp, env.world_size // cfg.dp), mesh_dim_names=("dp", "tp"))
     # FSDP x TP joins "dp" and "tp" into one mesh as it wraps, which computes on the mesh's real rank map: that
     # bookkeeping runs outside the fake mode (torch 2.14.1: inside, it fails on a real tensor)
     concatenate = DeviceMesh._concatenate
@@ -161,7 +172,9 @@ def _tp_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
             return concatenate(meshes)
 
     with fake_mode(), mock.patch.object(DeviceMesh, "_concatenate", staticmethod(concatenate_for_real)):
-        model = apply_tp(_model(cfg), mesh, cfg, env)
+        model = _model(cfg)
+        dp_mesh = mesh["dp"] if cfg.dp > 1 else None
+        model = apply_tp(model, mesh["tp"], model.tp_plan(), dp_mesh=dp_mesh, dp_units=model.blocks())
         optimizer = build_optimizer(model.parameters(), cfg)
 
         def step() -> None:
@@ -200,8 +213,12 @@ def _pipeline_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
         io_shapes = {i: ((tuple(images.shape), *outputs[:-1])[i], outputs[i]) for i in mine}
         sent = [outputs[i] for i in mine if i < layout.n_stages - 1]
         in_flight = max((4 * torch.Size(shape).numel() for shape in sent), default=0)  # fp32 activations
-        modules, stages = apply_pipeline(pieces, layout, mesh, cfg, env, io_shapes=io_shapes)
-        schedule = make_schedule(stages, cfg, LossScaler(cfg))  # (fp16 scales the loss: memory is the same)
+        modules = {i: pieces[i] for i in mine}
+        dp_mesh = mesh["dp"] if layout.dp > 1 else None
+        stages = apply_pipeline(
+            modules, layout.n_stages, mesh.get_group("pp"), env.device, dp_mesh=dp_mesh, io_shapes=io_shapes
+        )
+        schedule = make_schedule(cfg.schedule, stages, cfg.n_microbatches, lambda y, t: F.cross_entropy(y, t))
         local = nn.Sequential(*(layer for i in sorted(modules) for layer in modules[i].children()))
         params = list(local.parameters())
         optimizer = build_optimizer(params, cfg) if params else None

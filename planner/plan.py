@@ -7,15 +7,9 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from common.config import Config
-from common.model_sizes import (
-    layers,
-    max_stages,
-    parameter_count,
-    state_bytes_theory,
-    tp_fsdp_units,
-    tp_state_bytes_theory,
-)
+from common.model_sizes import layers, max_stages, parameter_count, tp_fsdp_units
 from planner.measure import RankMemory, plan_rank
+from planner.predict import state_bytes_theory, tp_state_bytes_theory
 
 DEFAULT_VARIANTS = ("ddp", "fsdp full, a unit per layer", "fsdp full, one unit", "pipeline 1f1b", "fsdp x tp")
 ALL_VARIANTS = (

@@ -1,13 +1,26 @@
-"""What each rank sends and receives per optimizer step, by collective. Each script predicts its own from the
-model and the mesh (`*_traffic` in train_*.py; run.json "traffic"); --profile-steps counts the same elements from
-the collectives the profiler saw (run.json "profile", per rank). docs/communication.md explains the numbers.
+"""What the scripts' strategies should cost, predicted from the model and the mesh alone: what each rank sends
+and receives per optimizer step, by collective (`traffic`), and the textbook's training state per rank
+(`state_bytes_theory`, `tp_state_bytes_theory`). A run counts the same elements from the collectives its profiler
+saw (--profile-steps: run.json "profile", per rank) and measures its state (run.json "memory"); the tests set
+these predictions beside them. docs/communication.md explains the numbers.
 
 Bytes are those of the ring algorithms that nccl-tests' bus bandwidth assumes: over n ranks an all-reduce of S
 bytes sends and receives 2 (n - 1) / n S per rank, an all-gather (S: what is gathered) and a reduce-scatter (S:
-what is reduced) (n - 1) / n S; a point-to-point send moves S. No torch here: the arithmetic only.
+what is reduced) (n - 1) / n S; a point-to-point send moves S.
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from common.config import Config
+from common.model import build_model
+from common.model_sizes import DATASET_SHAPES, parameter_count, tp_layer_params, tp_pairs, tp_split_params
+from common.pipeline import split_model
+from common.pipeline_layout import PipelineLayout
 
 Traffic = dict[str, dict[str, float]]  # collective -> {"elements", "bytes", "bytes_sent", "bytes_received"}
 
@@ -45,3 +58,143 @@ def padded_shard(shape: tuple[int, ...], shards: int) -> int:
 
 def total_bytes(traffic: Traffic) -> float:
     return sum(entry["bytes_sent"] for entry in traffic.values())
+
+
+def _model(cfg: Config) -> nn.Module:
+    """The run's model on the meta device: shapes, no memory (a 7 B model costs nothing)."""
+    channels, side, classes = DATASET_SHAPES[cfg.dataset]
+    with torch.device("meta"):
+        return build_model(
+            size=cfg.model_size, seed=0, in_channels=channels, image_size=side, num_classes=classes, dropout=0.0
+        )
+
+
+def _itemsize(cfg: Config) -> int:
+    """Bytes of one activation element: autocast's bf16 or fp16, else fp32."""
+    return {"bf16": 2, "fp16": 2}.get(cfg.precision, 4)
+
+
+def traffic(cfg: Config, world_size: int, rank: int) -> Traffic:
+    """What rank `rank` of `world_size` moves per optimizer step, training `cfg` (its strategy, mesh and model)."""
+    model = _model(cfg)
+    if cfg.strategy == "ddp":  # every gradient all-reduced once, bucket by bucket, on the last accumulation step
+        found: Traffic = {}
+        for p in model.parameters():
+            add(found, "all_reduce", elements=p.numel(), itemsize=p.element_size(), ranks=world_size)
+        return found
+    if cfg.strategy == "fsdp":
+        return _fsdp_traffic(model, cfg, world_size)
+    if cfg.strategy == "tp":
+        return _tp_traffic(model, cfg, world_size)
+    return _pipeline_traffic(model, cfg, world_size, rank)
+
+
+def _fsdp_traffic(model: nn.Module, cfg: Config, world_size: int) -> Traffic:
+    """FSDP's units as train_fsdp.py makes them: each unit's parameters all-gathered before its forward (each
+    accumulation step) and, if it was resharded after forward, again before its backward; its gradients
+    reduce-scattered once, and with hybrid the shard all-reduced over the replicas. Shards are padded to equal
+    rows (`padded_shard`)."""
+    replicas = {"full": 1, "grad-op": 1, "hybrid": 2, "none": world_size}[cfg.sharding]
+    shard = world_size // replicas
+    blocks = model.blocks() if cfg.shard_units == "blocks" else []
+    in_blocks = {id(p) for layers in blocks for layer in layers for p in layer.parameters()}
+    units = [[p for layer in layers for p in layer.parameters()] for layers in blocks]
+    units.append([p for p in model.parameters() if id(p) not in in_blocks])  # the root: what no block holds
+    gather_itemsize = 2 if cfg.precision in ("bf16", "fp16") else 4  # (reduced in fp32 either way)
+    found: Traffic = {}
+    for i, params in enumerate(units):
+        elements = shard * sum(padded_shard(tuple(p.shape), shard) for p in params)
+        if not elements:
+            continue
+        # resharded after forward: every unit but the last block and the root, unless grad-op or none keep them
+        regathered = cfg.sharding in ("full", "hybrid") and i < len(units) - 2
+        gathers = cfg.grad_accum_steps * (2 if regathered else 1)
+        add(found, "all_gather", elements=elements, itemsize=gather_itemsize, ranks=shard, times=gathers)
+        add(found, "reduce_scatter", elements=elements, itemsize=4, ranks=shard)
+        if replicas > 1:
+            add(found, "all_reduce", elements=elements // shard, itemsize=4, ranks=replicas)
+    return found
+
+
+def _tp_traffic(model: nn.Module, cfg: Config, world_size: int) -> Traffic:
+    """Per column/row pair and accumulation step, an all-reduce over "tp" of the row-wise layer's output in forward
+    and of the column-wise layer's input gradient in backward; with --dp, FSDP over "dp" of what TP leaves each
+    rank, a unit per block of the model: each gathered before its forward and again before its backward, its
+    gradients reduce-scattered once."""
+    tp, chunk, steps = world_size // cfg.dp, cfg.chunk_size(world_size), cfg.grad_accum_steps
+    found: Traffic = {}
+    split_dim = {}  # parameter -> the dim TP splits: a column-wise layer's rows (and bias), a row-wise one's columns
+    for col, row in tp_pairs(cfg.model_size):
+        for features in (getattr(model, row).out_features, getattr(model, col).in_features):
+            add(found, "all_reduce", elements=chunk * features, itemsize=_itemsize(cfg), ranks=tp, times=steps)
+        split_dim |= {
+            id(getattr(model, col).weight): 0,
+            id(getattr(model, col).bias): 0,
+            id(getattr(model, row).weight): 1,
+        }
+    if cfg.dp > 1:
+
+        def shard(p: nn.Parameter) -> int:  # this rank's TP part of p, sharded again over "dp"
+            shape = list(p.shape)
+            if id(p) in split_dim:
+                shape[split_dim[id(p)]] //= tp
+            return padded_shard(tuple(shape), cfg.dp)
+
+        for unit in model.blocks():
+            elements = cfg.dp * sum(shard(p) for layer in unit for p in layer.parameters())
+            add(found, "all_gather", elements=elements, itemsize=4, ranks=cfg.dp, times=2 * steps)
+            add(found, "reduce_scatter", elements=elements, itemsize=4, ranks=cfg.dp)
+    return found
+
+
+def _pipeline_traffic(model: nn.Module, cfg: Config, world_size: int, rank: int) -> Traffic:
+    """For every micro-batch, each activation that crosses to a stage on another rank and, in backward, its
+    gradient coming back; with --dp, each stage's FSDP2 all-gather and reduce-scatter over the replicas (once per
+    schedule step)."""
+    layout = PipelineLayout.of(cfg, world_size)
+    pp_rank = rank % layout.pp_size
+    pieces = split_model(model, layout.stage_starts)
+    micro_batch = cfg.chunk_size(world_size) // cfg.n_microbatches
+    times = cfg.n_microbatches * cfg.grad_accum_steps
+    channels, side, _ = DATASET_SHAPES[cfg.dataset]
+    outputs, x = [], torch.empty(1, channels, side, side, device="meta")
+    for piece in pieces:
+        x = piece(x)
+        outputs.append(micro_batch * x[0].numel())
+    found: Traffic = {}
+    item = _itemsize(cfg)
+    for s in layout.stages_of(pp_rank):
+        if s + 1 < layout.n_stages and layout.owner(s + 1) != pp_rank:  # forward out, its gradient back in
+            add(found, "send", elements=outputs[s], itemsize=item, times=times)
+            add(found, "recv", elements=outputs[s], itemsize=item, times=times)
+        if s > 0 and layout.owner(s - 1) != pp_rank:  # forward in, its gradient back out
+            add(found, "recv", elements=outputs[s - 1], itemsize=item, times=times)
+            add(found, "send", elements=outputs[s - 1], itemsize=item, times=times)
+        elements = layout.dp * sum(padded_shard(tuple(p.shape), layout.dp) for p in pieces[s].parameters())
+        if layout.dp > 1 and elements:
+            add(found, "all_gather", elements=elements, itemsize=4, ranks=layout.dp, times=cfg.grad_accum_steps)
+            add(found, "reduce_scatter", elements=elements, itemsize=4, ranks=layout.dp, times=cfg.grad_accum_steps)
+    return found
+
+
+def state_bytes_theory(n_params: int, *, shards: int, optimizer: str) -> dict[str, Any]:
+    """The textbook's training state per rank: per parameter 4 + 4 bytes (fp32 weight, gradient) and the
+    optimizer's state (AdamW 8, SGD 4), divided by the ranks that share it (what it leaves out: docs/fsdp.md)."""
+    per_param = {"param_bytes": 4, "grad_bytes": 4, "optim_bytes": 8 if optimizer == "adamw" else 4}
+    return {"parameters": n_params, "shards": shards, **{k: v * n_params / shards for k, v in per_param.items()}}
+
+
+def tp_state_bytes_theory(size: str, *, tp: int, dp: int, optimizer: str, dataset: str = "digits") -> dict[str, Any]:
+    """The training state per rank under TP (x FSDP over `dp` replicas): what tp_layer_params gives a TP rank,
+    divided by `dp`."""
+    held = tp_layer_params(size, tp, dataset)
+    split = sum(tp_split_params(size, dataset).values())
+    per_param = state_bytes_theory(1, shards=1, optimizer=optimizer)
+    return {
+        "parameters": parameter_count(size, dataset),
+        "split_parameters": split,
+        "tp": tp,
+        "dp": dp,
+        **{k: per_param[k] * sum(held.values()) / dp for k in ("param_bytes", "grad_bytes", "optim_bytes")},
+        "split_param_bytes": 4 * split / tp / dp,  # of param_bytes: the split parameters' (DDP's: 4 * split)
+    }

@@ -12,8 +12,9 @@ import shutil
 import subprocess
 from dataclasses import replace
 
-from common.config import Config, ConfigError
-from common.model_sizes import layers, tp_fsdp_units
+from common.config import Config
+from common.errors import ConfigError
+from common.model_sizes import blocks, layers, tp_fsdp_units
 
 # Memory one CPU training process of this suite takes (torch, the built-in data set, BabyCNN, gloo), rounded up
 # from the peak Pss measured per worker (docs/checkpoints.md, "Too many processes", says how). Larger data sets
@@ -62,12 +63,8 @@ def planned_peak_bytes(cfg: Config, world_size: int) -> int:
         return state * params + batch
     shards = world_size // 2 if cfg.sharding == "hybrid" else world_size
     by_layer = {layer.name: layer.params for layer in model}
-    cuts = [0, names.index("flatten"), *(i for i, n in enumerate(names) if n.startswith("hidden")), len(names)]
-    unit = (
-        params
-        if cfg.shard_units == "model"
-        else max(sum(by_layer[n] for n in names[a:b]) for a, b in zip(cuts, cuts[1:]))
-    )
+    block = max(sum(by_layer[name] for name in names) for names in blocks(cfg.model_size))
+    unit = params if cfg.shard_units == "model" else block
     gathered = 4 * params if cfg.sharding == "grad-op" else 4 * unit
     return state * params // shards + gathered + 4 * unit + batch
 

@@ -20,10 +20,11 @@ import tempfile
 from typing import Sequence
 
 from common.cli import parse_config
-from common.compiling import require_compiler
-from common.config import STRATEGIES, Config, ConfigError
+from common.config import STRATEGIES, Config
 from common.data_files import DataMissingError, ensure_data
-from common.errors import fail
+from common.errors import ConfigError, fail
+from common.model_sizes import check_tp_degree
+from common.pipeline_layout import PipelineLayout
 from common.runs import already_done, check_resume, complete_checkpoints, moved_line, set_aside, total_steps
 from runner.memory import check_memory
 
@@ -74,6 +75,14 @@ def check_out(out: str) -> None:
         raise ConfigError(f"--out {out}: {problem}; choose a folder you can write to") from None
 
 
+def check_layout(cfg: Config, world_size: int) -> None:
+    """What the pipeline's and TP's layouts need of the world size, as train_pippy.py and train_tp.py check it."""
+    if cfg.strategy == "pippy":
+        PipelineLayout.of(cfg, world_size).check(chunk_size=cfg.chunk_size(world_size), compile=cfg.compile)
+    if cfg.strategy == "tp":
+        check_tp_degree(cfg.model_size, tp=world_size // cfg.dp, dp=cfg.dp)
+
+
 def _take(args: list[str], flag: str, *, has_value: bool = True) -> str | None:
     """Remove `flag` (and its value) from `args`; returns the value ("" for a switch), or None if absent."""
     if flag not in args:
@@ -97,9 +106,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         for world_size in world_sizes:
             cfg = parse_config(strategy, rest, world_size=world_size)
+            check_layout(cfg, world_size)
         cfg.check(device_type="cpu" if runs_on_cpu(cfg) else "cuda")  # the checks that --device auto deferred
-        if cfg.compile and cfg.device == "cpu":  # (with --device auto the workers check, once torch is loaded)
-            require_compiler("cpu")
         if nproc is not None:
             check_memory(cfg, nproc=int(nproc), world_size=min(world_sizes), on_cpu=runs_on_cpu(cfg))
         check_out(cfg.out)

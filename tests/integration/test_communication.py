@@ -1,11 +1,14 @@
 """The collectives on real processes (gloo): the hand-written ring all-reduce against dist.all_reduce and inside
-DDP, and each strategy's predicted traffic per step (run.json "traffic") against what the profiler saw."""
+DDP, and each strategy's traffic per step, predicted by the planner (planner/predict.py), against what the
+profiler saw."""
 
 import json
 
 import pytest
 
 from bench.collectives import OPS
+from common.cli import parse_config
+from planner.predict import traffic
 from tests.helpers import PARITY, SMALL, Run, assert_follows, losses, read_run
 
 RING_STEPS = 20
@@ -66,10 +69,12 @@ def test_the_ring_carries_the_gradients(runs):
 
 @pytest.mark.parametrize("name", TRAFFIC_RUNS)
 def test_predicted_traffic_is_what_the_profiler_saw(runs, name):
-    """Per rank and kind of collective, the elements the script predicted from the model and the mesh equal the
+    """Per rank and kind of collective, the elements the planner predicts from the model and the mesh equal the
     elements of the collectives in the profiled steps' trace (the loss's and the norm's single numbers aside)."""
     run = read_run(runs / f"traffic-{name}")
-    predicted = run["traffic"]["per_rank"]
+    strategy, flags = TRAFFIC_RUNS[name]
+    cfg = parse_config(strategy, [*TRAFFIC, *flags], world_size=4)
+    predicted = [traffic(cfg, 4, rank) for rank in range(4)]  # planner/predict.py
     measured = [rank["traffic"] for rank in run["profile"]["per_rank"]]
     assert len(predicted) == len(measured) == 4
     for rank, (mine, seen) in enumerate(zip(predicted, measured)):
@@ -98,6 +103,7 @@ def test_bench_traffic_sets_the_bytes_beside_the_benchmark(runs):
     gathers = [r for r in table if r["collective"] == "all_gather"]
     assert len(gathers) == 4 and all(r["predicted elements"] == r["counted elements"] for r in gathers)
     for row in gathers:
-        size = run["traffic"]["per_rank"][row["rank"]]["all_gather"]["bytes"]
+        cfg = parse_config("fsdp", [*TRAFFIC, *TRAFFIC_RUNS["fsdp-full"][1]], world_size=4)
+        size = traffic(cfg, 4, row["rank"])["all_gather"]["bytes"]
         assert row["benchmark ms"] == pytest.approx(size / 1e6, rel=1e-6)
     assert sum(r["collective"] == "all (measured)" and r["measured ms"] > 0 for r in table) == 4

@@ -6,6 +6,7 @@ test_essentials.py; at a larger size: test_scale.py; a resume at a chaotic learn
 import pytest
 
 from common.model import build_model
+from planner.predict import tp_state_bytes_theory
 from tests.helpers import (
     PP_PARITY,
     Run,
@@ -95,8 +96,8 @@ def split_parameter_count() -> int:
 def test_each_rank_holds_its_slice_of_the_split_layers(runs, name, tp, dp):
     run = read_run(runs / name)
     ddp_bytes = 4 * split_parameter_count()  # what DDP holds of them on every rank
-    assert run["mesh"] == {"dp": dp, "tp": tp} and run["tp"]["split_layers"] == [["fc1", "fc2"]]
-    theory = run["memory"]["theory"]
+    assert run["mesh"] == {"dp": dp, "tp": tp} and run["tp"]["split_layers"] == ["fc1", "fc2"]
+    theory = tp_state_bytes_theory("baby", tp=tp, dp=dp, optimizer="adamw")  # (planner/predict.py)
     assert theory["split_param_bytes"] == ddp_bytes / tp / dp
     for rank in run["memory"]["per_rank"]:
         assert rank["param_bytes_of"]["split"] == ddp_bytes / tp / dp  # 1/tp of DDP's (and FSDP's 1/dp of that)
@@ -121,7 +122,8 @@ def test_bf16_computes_in_bf16_and_follows_fp32_closely(runs, reference):
     bf16, fp32 = losses(runs / "bf16"), losses(reference)
     assert abs(bf16[0] - fp32[0]) <= 2e-3 and 5e-4 <= max_abs_diff(bf16, fp32) <= 5e-2
     memory = read_run(runs / "bf16")["memory"]
-    assert all(rank["param_bytes"] == memory["theory"]["param_bytes"] for rank in memory["per_rank"])  # fp32
+    theory = tp_state_bytes_theory("baby", tp=2, dp=1, optimizer="adamw")
+    assert all(rank["param_bytes"] == theory["param_bytes"] for rank in memory["per_rank"])  # fp32
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,8 @@
 
 import pytest
 
-from common.config import Config, ConfigError
+from common.config import Config
+from common.errors import ConfigError
 from runner.memory import check_memory
 
 

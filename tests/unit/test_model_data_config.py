@@ -4,11 +4,12 @@ import pytest
 import torch
 
 from common.cli import build_parser, parse_config
-from common.config import SCHEDULES, STRATEGIES, Config, ConfigError
+from common.config import SCHEDULES, STRATEGIES, Config
 from common.data import GlobalBatchSampler, longest_shard, shard_range
 from common.digits import make_digits
+from common.errors import ConfigError
 from common.model import BabyCNN, build_model
-from common.model_sizes import MODEL_SIZES, max_stages, parameter_count, stage_starts, tp_layer_params, tp_pairs
+from common.model_sizes import MODEL_SIZES, blocks, max_stages, parameter_count, stage_starts, tp_layer_params, tp_pairs
 from common.model_sizes import layers as size_layers
 from common.pipeline import split_model
 
@@ -188,7 +189,22 @@ def test_defaults_are_valid_for_every_strategy():
         assert cfg.out == f"runs/{strategy}" and isinstance(cfg, Config)
 
 
+@pytest.mark.parametrize("size", ["baby", "small", "medium"])
+def test_the_model_says_how_it_is_split_as_the_sizes_table_does(size):
+    """BabyCNN's own blocks (FSDP's units) and TP plan, which the wraps take, are the layers the torch-free
+    model_sizes.py reasons about before torchrun starts (the memory wall, the planner's tables)."""
+    model = BabyCNN(size=size)
+    names = {id(layer): name for name, layer in model.named_children()}
+    assert [[names[id(layer)] for layer in block] for block in model.blocks()] == blocks(size)
+    plan = model.tp_plan()
+    assert list(plan) == [name for pair in tp_pairs(size) for name in pair]
+    assert [type(plan[col]).__name__ for col, _ in tp_pairs(size)] == ["ColwiseParallel"] * len(tp_pairs(size))
+    assert [type(plan[row]).__name__ for _, row in tp_pairs(size)] == ["RowwiseParallel"] * len(tp_pairs(size))
+
+
 def test_tp_splits_the_classifier_in_pairs_and_refuses_a_width_it_cannot_split():
+    from runner.preflight import check_layout
+
     assert tp_pairs("baby") == [("fc1", "fc2")]
     assert tp_pairs("small") == [("fc1", "hidden1"), ("hidden2", "hidden3")]  # fc2, the fifth, stays whole
     model = BabyCNN(size="small")
@@ -199,7 +215,7 @@ def test_tp_splits_the_classifier_in_pairs_and_refuses_a_width_it_cannot_split()
     assert tp_layer_params("small", 1) == {layer.name: layer.params for layer in size_layers("small")}
     parse_config("tp", ["--dp", "2"], world_size=8)  # 2 replicas x 4-way TP
     with pytest.raises(ConfigError, match="width 128 does not split over 3 TP ranks"):
-        parse_config("tp", [], world_size=3)
+        check_layout(parse_config("tp", [], world_size=3), 3)
     with pytest.raises(ConfigError, match="--dp: 3 does not divide the world size 4"):
         parse_config("tp", ["--dp", "3"], world_size=4)
     with pytest.raises(ConfigError, match="unrecognized arguments: --sharding"):

@@ -5,7 +5,8 @@ layouts."""
 
 import pytest
 
-from common.config import Config, ConfigError
+from common.config import Config
+from common.errors import ConfigError
 from common.profiling import collectives_by_span, comm_overlap, overlap_s, union
 from tools.timeline import draw, title
 

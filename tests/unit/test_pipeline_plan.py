@@ -7,13 +7,14 @@ from common.cli import parse_config
 from common.config import SCHEDULES
 from common.pipeline_actions import BALANCED_COST, simulate_bubble
 from common.pipeline_layout import PipelineLayout
+from runner.preflight import check_layout
 from tests.helpers import PP_PARITY
 from tests.integration.test_pippy import DP2, MATRIX, PART1, STAGES_PER_RANK
 
 
 def test_every_combination_the_tests_run_passes_the_checks():
     for flags in [*MATRIX.values(), *DP2.values(), PART1]:
-        parse_config("pippy", [*PP_PARITY, *flags], world_size=4)
+        check_layout(parse_config("pippy", [*PP_PARITY, *flags], world_size=4), 4)
     assert set(STAGES_PER_RANK) == set(SCHEDULES)
 
 

@@ -5,7 +5,8 @@ import dataclasses
 
 import pytest
 
-from common.config import Config, ConfigError
+from common.config import Config
+from common.errors import ConfigError
 from common.runs import FREE, MAY_CHANGE, TRAJECTORY, check_resume, recorded_config, set_aside
 from runner.preflight import finished_line
 

@@ -1,9 +1,9 @@
-"""The traffic arithmetic (common/traffic.py) and the count of collectives from a trace (common/profiling.py)."""
+"""The traffic arithmetic (planner/predict.py) and the count of collectives from a trace (common/profiling.py)."""
 
 import pytest
 
 from common.profiling import traffic_counted
-from common.traffic import add, padded_shard, total_bytes
+from planner.predict import add, padded_shard, total_bytes
 
 
 def test_ring_shares_are_nccl_tests_bus_factors():

@@ -8,7 +8,7 @@ import torch
 
 from common.cli import parse_config
 from common.clipping import clip_grad_norm
-from common.config import ConfigError
+from common.errors import ConfigError
 from common.training import LossScaler, lr_at
 
 
@@ -93,9 +93,11 @@ def test_no_gradients_is_a_zero_norm_and_nothing_to_scale():
 
 @pytest.mark.parametrize("schedule", ["interleaved-zb", "zbv", "dualpipev"])
 def test_compile_refuses_the_split_backward_schedules(schedule):
+    from runner.preflight import check_layout
+
     with pytest.raises(ConfigError, match=f"^--compile: {schedule} splits each stage's backward"):
-        parse_config("pippy", ["--compile", "--schedule", schedule, "--stages-per-rank", "2"], world_size=2)
-    parse_config("pippy", ["--compile", "--schedule", "interleaved-1f1b", "--stages-per-rank", "2"], world_size=2)
+        check_layout(parse_config("pippy", ["--compile", "--schedule", schedule, "--stages-per-rank", "2"]), 2)
+    check_layout(parse_config("pippy", ["--compile", "--schedule", "interleaved-1f1b", "--stages-per-rank", "2"]), 2)
 
 
 def test_compile_without_a_cpp_compiler_is_one_line_before_torchrun(monkeypatch, capsys, tmp_path):
