@@ -9,6 +9,8 @@ before it runs and its gradients reduce-scattered after its backward (docs/fsdp.
 are marked `# [FSDP]`.
 """
 
+import contextlib
+import os
 from typing import Sequence
 
 import torch
@@ -19,15 +21,16 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from common.checkpoint import Checkpoints, save_model_file
+from common.checkpoint import Checkpoints
 from common.cli import parse_config
 from common.clipping import clip_grad_norm
 from common.config import Config
 from common.data import GlobalBatchSampler, describe_data, load_dataset, to_device_batch
 from common.distributed import DistEnv, RankLogger, run, seed_everything, setup_distributed, teardown_distributed
+from common.errors import WriteError
 from common.model import build_model
 from common.recorder import RunRecorder
-from common.runs import total_steps
+from common.runs import latest_checkpoint_line, total_steps
 from common.training import LossScaler, build_optimizer, evaluate, global_mean, low_precision, lr_at, set_lr
 
 
@@ -90,6 +93,21 @@ def apply_fsdp(
         fully_shard(unit, reshard_after_forward=reshard_after_forward and i < len(units) - 1, **shard)
     fully_shard(model, reshard_after_forward=False, **shard)
     return model
+
+
+def save_model_file(state: dict, out_dir: str) -> None:
+    """model.pt, a plain state dict for inference, written whole or not at all: one line if it cannot be."""
+    path = os.path.join(out_dir, "model.pt")
+    try:
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+    except (OSError, RuntimeError) as e:  # torch.save's writer raises RuntimeError ("file write failed")
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        where = latest_checkpoint_line(out_dir)
+        raise WriteError(
+            f"{path} not written ({e}); {where}: make room; the checkpoints hold the trained weights too"
+        ) from None
 
 
 def train(cfg: Config, env: DistEnv) -> None:

@@ -33,7 +33,7 @@ from common.distributed import DistEnv, RankLogger, run, seed_everything, setup_
 from common.model import build_model
 from common.pipeline import compile_stages, describe_cut, eval_forward, split_model, stage_output_shapes
 from common.pipeline_actions import StageActions
-from common.pipeline_layout import SINGLE_STAGE_SCHEDULES, PipelineLayout
+from common.pipeline_layout import PipelineLayout
 from common.recorder import RunRecorder
 from common.runs import total_steps
 from common.training import LossScaler, autocast, build_optimizer, evaluate, lr_at, set_lr
@@ -100,8 +100,9 @@ def make_schedule(name: str, stages: list[PipelineStage], n_microbatches: int, l
     scale_grads=False: `loss_fn` already divides by the number of micro-batches, so the gradients summed over a
     step are those of the batch's mean. (The default, True, divides every .grad after the step's last backward:
     right for one step() of mean losses, but it would also shrink what an earlier step() accumulated.)"""
-    stages_arg = stages[0] if name in SINGLE_STAGE_SCHEDULES else stages  # [PP]
-    return SCHEDULES[name](stages_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)  # [PP]
+    schedule = SCHEDULES[name]  # [PP] a single-stage schedule takes this rank's one stage, the others the list
+    stages_arg = stages[0] if issubclass(schedule, pp.PipelineScheduleSingle) else stages
+    return schedule(stages_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)  # [PP]
 
 
 def train(cfg: Config, env: DistEnv) -> None:

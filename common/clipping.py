@@ -1,12 +1,7 @@
-"""Gradient clipping by the global L2 norm of the whole model's gradients, whatever holds them: each rank sums
-the squares of what it holds, the sums are added over the ranks that hold *different* parts of the model, and
-every rank scales by the same factor. Adding over copies, or not adding over shards, gets the norm wrong by
-sqrt(copies) or sqrt(shards): docs/training.md.
-
-Which ranks hold different parts, a sharded gradient says itself: a DTensor (FSDP's shards, TP's split layers,
-both on a 2-D mesh) is sharded over the mesh dims whose placement is not Replicate, and replicated over those. What
-no tensor can say, the caller passes as `groups`: a pipeline's ranks hold different stages.
-"""
+"""Gradient clipping by the global L2 norm of the whole model's gradients, whatever holds them: each rank sums the
+squares of what it holds, the sums are added over the ranks that hold *different* parts (a DTensor says over
+which mesh dims it is sharded; a pipeline's stages, the caller's `groups`), and every rank scales alike
+(docs/training.md)."""
 
 from __future__ import annotations
 

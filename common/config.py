@@ -1,13 +1,6 @@
-"""One configuration for all four scripts.
-
-Every command-line flag comes from a field of `Config`; its help text is the docstring written under the
-field, and `Config.check` validates everything in one place. A field can be limited to some strategies
-(`STRATEGY_FLAGS`); the same flag always means the same thing wherever it exists. `common/cli.py` builds
-the command line from the fields.
-
-This module does not import torch, so `runner/preflight.py` can validate the flags in a fraction of a
-second before torchrun starts any worker.
-"""
+"""One configuration for all four scripts: every flag is a field of `Config`, its help the docstring under it
+(common/cli.py builds the command line), validated in `Config.check`; a flag may exist only in some scripts
+(`STRATEGY_FLAGS`) and means the same wherever it does. No torch here: the runners check flags before torchrun."""
 
 from __future__ import annotations
 
@@ -110,7 +103,8 @@ class Config:
     max_grad_norm: float = 0.0
     """Clip gradients to this global L2 norm, over the whole model, once per optimizer step (0: off)."""
     compile: bool = False
-    """torch.compile the model (DDP: the wrapped model; FSDP: before sharding, a graph per unit; pipeline: stages)."""
+    """torch.compile the model (DDP: the wrapped model; FSDP: before sharding, a graph per unit; pipeline: each stage;
+    TP: after the split, with static shapes)."""
     dropout: float = 0.1
     """Dropout probability in the classifier (0 makes runs comparable step by step across strategies)."""
     seed: int = 0
@@ -137,7 +131,7 @@ class Config:
     cpu_offload: bool = False
     """FSDP: keep sharded parameters, gradients and optimizer state in CPU memory (for GPU runs)."""
     activation_checkpointing: bool = False
-    """FSDP: recompute each block's activations in backward instead of storing them."""
+    """FSDP: keep only the model's input for backward and recompute its activations (BabyCNN's layers are one span)."""
 
     # --- pipeline ---
     schedule: str = "1f1b"

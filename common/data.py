@@ -1,8 +1,6 @@
-"""Data sets as tensors, and the global-batch sampler that makes every strategy see the same batches
-(docs/data.md). A data set is materialised once as uint8 images [N, C, H, W] and int64 labels [N]: the built-in
-`digits` (common/digits.py: no file, no network), or a torchvision set (common/data_files.py). Batches are index
-lists into it, normalised on the device (`to_device_batch`), so the training loop does no per-sample work.
-"""
+"""Data sets as tensors (uint8 images [N, C, H, W], int64 labels [N]: the built-in digits, or a torchvision set), and
+the global-batch sampler that gives every strategy the same batches: index lists, normalised on the device
+(docs/data.md)."""
 
 from __future__ import annotations
 

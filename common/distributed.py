@@ -1,9 +1,5 @@
-"""Process-group set-up and teardown from the torchrun environment, seeding, and rank-aware logging.
-
-torchrun sets RANK, LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE for each worker. Without torchrun
-(`python train_ddp.py`) the same code runs as a world of one, on an in-memory store, so the scripts have a
-single code path.
-"""
+"""Process-group set-up and teardown from torchrun's environment (without torchrun: a world of one, the same code
+path), seeding, rank-aware logging, preemption, and how a process ends (`run`)."""
 
 from __future__ import annotations
 
@@ -38,13 +34,10 @@ class DistEnv:
 def setup_distributed(
     *, device: str = "auto", timeout_s: int = 300, threads: int = 0, preempt_signal: str = "USR1"
 ) -> DistEnv:
-    """Join the process group torchrun prepared (or make a world of one) and pick this rank's device. Once joined,
-    SIGTERM and SIGUSR1 (`preempt_signal`) ask for a checkpoint and a stop (`stop_requested`); until then SIGTERM
-    ends the process at once, as torchrun expects when it stops a group that is still starting."""
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    """Join torchrun's process group (or make a world of one) and pick this rank's device. Once joined, SIGTERM and
+    `preempt_signal` ask for a checkpoint and a stop (`stop_requested`); before, SIGTERM ends the process at once."""
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank, local_world_size = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
     # The device comes from LOCAL_RANK, never from RANK: on the second machine RANK is 4..7, GPUs 0..3.
     use_cuda = device == "cuda" or (
@@ -60,8 +53,7 @@ def setup_distributed(
         dev, backend = torch.device("cuda", local_rank), "nccl"
     else:
         dev, backend = torch.device("cpu"), "gloo"
-        # N processes sharing C cores must not each start C threads: oversubscribed cores run several
-        # times slower than one thread per core (torchrun's default is OMP_NUM_THREADS=1).
+        # N processes sharing C cores must not each start C threads: oversubscribed cores run several times slower
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(threads or max(1, cores // local_world_size))
 
@@ -70,10 +62,8 @@ def setup_distributed(
     timeout, Progress.timeout_s = timedelta(seconds=timeout_s), timeout_s
     device_id = dev if use_cuda else None
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun's agent (torch 2.14.1) hosts the store at MASTER_ADDR:MASTER_PORT and keeps the
-        # same one when it restarts the workers (--max-restarts). Keys the failed attempt wrote (each rank's
-        # address) would then be read by the new attempt, whose ranks dial dead ports until the timeout. A
-        # prefix per attempt keeps the attempts apart.
+        # torchrun's agent (torch 2.14.1) keeps its store when it restarts the workers: a prefix per attempt keeps
+        # the new attempt from reading the failed one's keys (each rank's address) and dialing dead ports
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.TCPStore(
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
@@ -96,17 +86,15 @@ def setup_distributed(
 
 
 def keep_freed_memory() -> bool:
-    """Make glibc keep freed memory for reuse instead of handing it back to the kernel: a fixed mmap threshold of
-    32 MiB (glibc's maximum) and a 1 GiB trim threshold keep a step's activations (5 to 20 MB each on the CPU)
-    mapped, so the next step does not page-fault them in again as fresh, zeroed pages (docs/performance.md
-    measures what that saves). Returns False where mallopt is not available (macOS, musl): nothing changes."""
+    """Make glibc keep a step's freed activations mapped for the next step instead of page-faulting them in again
+    (docs/performance.md measures it); False where mallopt is not available (macOS, musl): nothing changes."""
     import ctypes
 
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h: mmap at 32 MiB (its maximum), trim at 1 GiB
     return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
 
 
@@ -129,9 +117,8 @@ class Progress:
 
 
 def stop_requested() -> str | None:
-    """Preemption: whether any rank received SIGTERM or --preempt-signal; the signal's name, or None. Every rank
-    calls this after every step: one all-reduce of a number, so all of them stop after the same step, with a
-    checkpoint of it, wherever the signal landed (one rank, some or all; docs/troubleshooting.md)."""
+    """The name of SIGTERM or --preempt-signal if any rank received it, else None. Every rank calls this after every
+    step (one all-reduce): all stop after the same step, wherever the signal landed (docs/troubleshooting.md)."""
     received = torch.tensor([STOP[0] if STOP else 0], device=collective_device())
     dist.all_reduce(received, op=dist.ReduceOp.MAX)
     return signal.Signals(int(received.item())).name if received.item() else None
@@ -141,11 +128,9 @@ _LAST_MEETING: list[object] = []  # teardown_distributed's collective, kept unti
 
 
 def teardown_distributed() -> None:
-    """Leave the process group; call it in `finally`. After a clean run the ranks first meet, so that none tears
-    down its communicator while another still uses it; after an error they don't (the others may never come).
-    The meeting is an all-reduce whose handle the process keeps until it exits: with gloo (torch 2.14.1) a
-    barrier, or a dropped handle, can leave gloo's thread to release the last collective during interpreter
-    shutdown, and the finished run aborts (docs/troubleshooting.md, "Clean exits", says why)."""
+    """Leave the process group; call it in `finally`. After a clean run the ranks first meet (an all-reduce whose
+    handle is kept: gloo, torch 2.14.1, could abort a finished run in interpreter shutdown otherwise; docs/
+    troubleshooting.md, "Clean exits"); after an error they don't (the others may never come)."""
     if not dist.is_initialized():
         return
     if sys.exc_info()[1] is None:  # inside `finally`: None unless an exception is on its way out
@@ -175,10 +160,9 @@ class RankLogger:
 
 
 def run(main: Callable[[], None]) -> None:
-    """Run a script's `main`, and end the process with one line for what a user can act on: a bad flag, missing
-    data or an unusable checkpoint (the same on every rank: rank 0 says it) exits 2; a non-finite loss, a file that
-    could not be written, memory run out or a collective that waited past --timeout-s exit 1, naming the rank;
-    Ctrl-C exits 130. Anything else is a bug and keeps its traceback."""
+    """Run a script's `main`, ending in one line for what a user can act on: bad input (rank 0 says it) exits 2; a
+    non-finite loss, a write error, memory run out or a collective past --timeout-s exit 1, naming the rank; Ctrl-C
+    130. Anything else is a bug and keeps its traceback."""
     rank = int(os.environ.get("RANK", 0))
     try:
         main()
@@ -207,8 +191,7 @@ def run(main: Callable[[], None]) -> None:
 
 
 def _exit(code: int) -> None:
-    """Exit now, without the interpreter's shutdown: the run's files are written and closed, and gloo's threads
-    can still abort a process while Python shuts down (docs/troubleshooting.md, "Clean exits")."""
+    """Exit now, without the interpreter's shutdown, where gloo's threads can still abort a finished process."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -1,11 +1,7 @@
-"""BabyCNN: the one model every strategy trains, at every `--model-size`, and how it is split: its blocks (FSDP's
-units) and its tensor-parallel plan, which the scripts hand to their wraps. What each size holds, and where a
-pipeline cuts it: common/model_sizes.py (no torch there: the runners' checks read it before torchrun starts).
-
-BabyCNN is an `nn.Sequential` of named layers, so a parameter has the same name (`conv2.weight`,
-`fc1.bias`, ...) in the whole model, in a DDP/FSDP-wrapped model and in any pipeline stage. That is what
-lets a checkpoint written by one strategy be read by another.
-"""
+"""BabyCNN, the model every strategy trains, and how it is split: its blocks (FSDP's units) and its tensor-parallel
+plan, which the scripts hand to their wraps (each size in numbers, and the pipeline's cut: common/model_sizes.py).
+An `nn.Sequential` of named layers: a parameter has one name (`fc1.bias`) whole, wrapped or in a pipeline stage,
+so one strategy's checkpoint loads into another."""
 
 from __future__ import annotations
 
@@ -21,10 +17,8 @@ from common.config import MODEL_SIZES
 class BabyCNN(nn.Sequential):
     """Two 3x3 convolutions and a classifier; returns logits (cross_entropy applies softmax).
 
-    Shapes for a 28x28 grayscale input (32x32 RGB works the same way, with 3 input channels), W the size's width:
-        x [B, 1, 28, 28] -conv1-> [B, 32, 26, 26] -conv2-> [B, 64, 24, 24] -pool-> [B, 64, 12, 12]
-          -flatten-> [B, 9216] -fc1-> [B, W] (-hidden1..-> [B, W]) -fc2-> [B, classes]
-    baby (the default) has W = 128 and no hidden layer: two linear layers, as the suite always had.
+    x [B, 1, 28, 28] -conv1-> [B, 32, 26, 26] -conv2-> [B, 64, 24, 24] -pool-> [B, 64, 12, 12] -flatten->
+    [B, 9216] -fc1-> [B, W] (-hidden1..-> [B, W]) -fc2-> [B, classes]; W: the size's width (baby: 128, no hidden)
     """
 
     def __init__(
@@ -75,12 +69,8 @@ class BabyCNN(nn.Sequential):
 def build_model(
     *, size: str = "baby", seed: int, in_channels: int, image_size: int, num_classes: int, dropout: float
 ) -> BabyCNN:
-    """BabyCNN whose initial weights are a function of `seed` (and the size) alone: identical on every rank and
-    strategy.
-
-    The model is built on the CPU under a private RNG, so neither the device nor anything drawn from the
-    global RNG before this call can change the weights; move it to the device afterwards.
-    """
+    """BabyCNN whose initial weights are a function of `seed` and the size alone, the same on every rank and in
+    every strategy: built on the CPU under a private RNG (move it to the device afterwards)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return BabyCNN(

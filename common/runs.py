@@ -1,10 +1,6 @@
-"""Run folders: what a resume may change, and never losing a previous run. No torch here, so the
-preflight (runner/preflight.py) does the same checks before torchrun starts a worker.
-
-A checkpoint's meta.json records the run's config and its steps per epoch (common/checkpoint.py). On
-`--resume`, a setting that decides the trajectory must equal the recorded one, or the curve in
-metrics.jsonl would silently become two runs; the layout, the length and the cadences may change.
-"""
+"""Run folders: what a resume may change (a setting that decides the curve must equal the one a checkpoint's
+meta.json records, or metrics.jsonl would silently become two runs), and never losing a previous run. No torch
+here: the runners' preflight makes the same checks before torchrun starts."""
 
 from __future__ import annotations
 
@@ -22,10 +18,8 @@ TRAJECTORY = (
     *("optimizer", "lr", "weight_decay", "warmup_steps", "lr_schedule", "min_lr", "max_grad_norm"),  # the update
     *("model_size", "dropout", "precision", "loss_scale", "loss_scale_growth_interval"),  # the model, its arithmetic
 )
-# Settings a resume may change, said once: the strategy and its layout (a DCP checkpoint loads into any of
-# them; --grad-accum-steps splits the same global batch differently), the length (with a decaying
-# --lr-schedule, a new length re-times the decay from here on), the cadences, and what is observed (--compile
-# changes the kernels, not the arithmetic's meaning).
+# Settings a resume may change, said once: the layout (a DCP checkpoint loads into any), the length (a decaying
+# --lr-schedule re-timed from here on), the cadences, and what is observed (--compile: kernels, not arithmetic).
 MAY_CHANGE = (
     *("strategy", "allreduce", "sharding", "shard_units", "cpu_offload", "activation_checkpointing"),
     *("schedule", "n_microbatches", "stages_per_rank", "dp", "grad_accum_steps"),

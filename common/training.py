@@ -1,5 +1,5 @@
-"""Pieces of the training loop that are the same in every strategy: optimizer, learning rate, precision, loss
-reduction and evaluation. What differs between strategies stays in the scripts."""
+"""The training loop's pieces that every strategy shares: optimizer, learning rate, precision, loss reduction and
+evaluation."""
 
 from __future__ import annotations
 

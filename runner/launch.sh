@@ -1,4 +1,4 @@
-# Shared by run_ddp.sh, run_fsdp.sh, run_pippy.sh and run_all.sh (sourced, not run). It picks the Python,
+# Shared by run_ddp.sh, run_fsdp.sh, run_pippy.sh, run_tp.sh and run_all.sh (sourced, not run). It picks the Python,
 # validates the flags before any worker starts, and builds the torchrun arguments for one or several machines.
 #
 #   NPROC        processes per machine (default 4)

@@ -78,7 +78,7 @@ def test_resume_with_a_changed_trajectory_setting_is_refused_in_one_line(resumed
 
 def test_the_script_itself_refuses_a_changed_setting_and_stops_at_a_finished_run(resumed):
     """Launched without the runner (no preflight), the workers refuse too, and a finished run ends at once:
-    exit 0, one line, no file changed (it used to crash formatting the final line of a run with no steps)."""
+    exit 0, one line, no file changed."""
     before = {s: snapshot(resumed / s) for s in ("ddp", "fsdp")}
     refused = launch("train_ddp.py", 1, [*EXACT, "--resume", "--seed", "7"], resumed / "ddp", check=False)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
