@@ -3,15 +3,9 @@
     python -m bench.baseline --out runs/baseline --max-steps 100
     torchrun --standalone --nproc-per-node 4 -m bench.baseline --out runs/baseline
 
-Diff it against train_ddp.py to see what the suite does differently: a Dataset that returns PIL images
-(like torchvision.datasets.MNIST) with ToTensor + Normalize per sample, a DataLoader with a
-DistributedSampler and set_epoch, DDP, and torch's default threads (torchrun sets OMP_NUM_THREADS=1 when it
-starts several processes). It writes metrics.jsonl in the suite's format (plus `data_time_s`, the time spent
-waiting for the DataLoader) and a run.json with each rank's memory, so `python -m bench` reads it like the
-scripts' runs.
+docs/performance.md says what it does the tutorials' way; diff it against train_ddp.py. It writes metrics.jsonl
+in the suite's format (plus `data_time_s`, the wait for the DataLoader) and a run.json, as the scripts do.
 """
-
-from __future__ import annotations
 
 import argparse
 import json

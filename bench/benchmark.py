@@ -6,12 +6,8 @@
     python -m bench --only ddp,baseline --procs 1,2 --timed-steps 10
     python -m bench --quick              # seconds: tiny settings, for the smoke test
 
-The ceilings (bench/ceilings.py), the bare step in fresh processes (bench/micro.py), then the real scripts and the
-baseline, launched as bench/plan.py says (bench/launches.py), in --repeats rounds: a launch's speed moves by
-5-10 %. Writes bench.json and bench.md (bench/report.py); docs/performance.md says what each number is.
+docs/performance.md says what each phase measures and what each number in bench.json and bench.md is.
 """
-
-from __future__ import annotations
 
 import argparse
 import json
@@ -24,21 +20,15 @@ from typing import Any, Callable, Sequence
 
 from bench.breakdown import trace_breakdown
 from bench.ceilings import machine_peaks, model_flops, pipeline_ceiling
-from bench.launches import failure, launch, read_run_json, records, run_json_facts, timing_stats
-from bench.machine import LoadWatch, wait_until_quiet
+from bench.launches import LoadWatch, failure, launch, read_run_json, records, run_json_facts, timing_stats
 from bench.micro import measure_in_process
 from bench.plan import RunSpec, Settings, default_plan, quick_plan
 from bench.report import annotate, markdown, scaling_table
 
-Say = Callable[[str], None]
-
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser("python -m bench", description=__doc__.split("\n\n")[0], formatter_class=formatter)
     add = parser.add_argument
     add("--out", default="runs/bench", help="where bench.json, bench.md and the run folders go")
     add("--procs", default="1,2,4", help="process counts for the scaling runs")
@@ -71,28 +61,17 @@ def plan_of(args: argparse.Namespace) -> list[RunSpec]:
     procs = [int(p) for p in args.procs.split(",")]
     modes_procs = max(procs) if args.all else args.modes_procs
     runs = dict(modes_procs=modes_procs, full_runs=not args.no_full_runs, bf16=not args.no_bf16, more_bf16=args.all)
-    plan = quick_plan() if args.quick else default_plan(procs, batch_size=args.batch_size, threads_check=True, **runs)
+    plan = quick_plan() if args.quick else default_plan(procs, batch_size=args.batch_size, **runs)
     wanted = set(args.only.split(",")) if args.only else None
     return [spec for spec in plan if wanted is None or spec.strategy in wanted]
 
 
-def launch_settings(args: argparse.Namespace) -> Settings:
-    test_size, train_size = (64, args.train_size) if args.quick else (args.test_size, 0)  # 0: the scripts' default
-    return Settings(args.batch_size, args.warmup_steps, args.timed_steps, test_size, train_size)
-
-
 def step_breakdown(spec: RunSpec, row: dict[str, Any], out: Path, s: Settings) -> dict[str, Any]:
     """The step breakdown of a run that profiled steps after its timed ones, from rank 0's trace."""
-    about = {
-        "run": spec.name,
-        "command": row["command"],
-        "batch_size": spec.global_batch(s) // spec.nproc,  # per process
-        "threads": row.get("threads_per_process"),
-        "precision": spec.precision,
-        "profiled_steps": list(spec.profiled(s) or ()),
-        # the same run's timed steps, which ran without the profiler: what the profiler's own cost adds up to
-        "timed_step_ms": 1e3 * row["step_time_s"]["median"] if row.get("step_time_s") else None,
-    }
+    about = dict(run=spec.name, command=row["command"], precision=spec.precision, profiled_steps=spec.profiled(s))
+    about |= dict(batch_size=spec.global_batch(s) // spec.nproc, threads=row.get("threads_per_process"))  # per process
+    # the same run's timed steps, which ran without the profiler: what the profiler's own cost adds up to
+    about["timed_step_ms"] = 1e3 * row["step_time_s"]["median"] if row.get("step_time_s") else None
     try:
         return {**about, **trace_breakdown(out / "traces" / "rank0.json")}
     except (OSError, KeyError, ValueError) as error:  # a measurement missing, not a benchmark stopped
@@ -101,13 +80,14 @@ def step_breakdown(spec: RunSpec, row: dict[str, Any], out: Path, s: Settings) -
 
 def run_one(spec: RunSpec, s: Settings, *, work: Path, timeout_s: float, attempt: int = 0) -> dict[str, Any]:
     """Launch `spec` once, into work/<its folder>, and return its row."""
-    out = work / re.sub(r"[^A-Za-z0-9_.-]+", "_", spec.folder + (f"_launch{attempt}" if attempt else ""))
+    folder = f"{spec.name}_{spec.precision}_x{spec.nproc}" + (f"_launch{attempt}" if attempt else "")
+    out = work / re.sub(r"[^A-Za-z0-9_.-]+", "_", folder)
     shutil.rmtree(out, ignore_errors=True)
     row: dict[str, Any] = {**asdict(spec), "out": str(out)}
     cmd = spec.command(s, out)
     row["command"] = " ".join(cmd).replace(sys.executable, "python")
     profiled = spec.profiled(s)
-    rss_until = profiled[0] - 1 if profiled else None  # the evaluation before the profiled steps (RunSpec.flags)
+    rss_until = profiled[0] - 1 if profiled else 0  # the evaluation before the profiled steps (RunSpec.flags)
     row.update(launch(cmd, out=out, nproc=spec.nproc, timeout_s=timeout_s, rss_until_eval_at=rss_until))
     if row["returncode"] != 0:
         return {**row, "ok": False, "error": failure(out, row["returncode"])}
@@ -117,20 +97,17 @@ def run_one(spec: RunSpec, s: Settings, *, work: Path, timeout_s: float, attempt
     row.update(timing_stats(train, warmup=s.warmup, timed=timed, batch_size=spec.global_batch(s)))
     if train and row["first_record_s"] is not None:
         row["launch_to_first_step_s"] = row["first_record_s"] - train[0]["step_time_s"]
-    info = read_run_json(out)
-    row.update(run_json_facts(info) if info else {})
+    if info := read_run_json(out):
+        row.update(run_json_facts(info))
     if spec.profile_steps:
         row["step_breakdown"] = step_breakdown(spec, row, out, s)
     return row
 
 
 def launch_all(
-    plan: Sequence[RunSpec], s: Settings, *, work: Path, repeats: int, timeout_s: float, say: Say
+    plan: Sequence[RunSpec], s: Settings, *, work: Path, repeats: int, timeout_s: float, say: Callable
 ) -> list[dict[str, Any]]:
-    """One row per run of `plan`, in its order. The runs the acceptance compares (`scaling`) are launched
-    `repeats` times, in rounds (every one of them once, then again): a launch's speed moves by 5-10 % with the
-    machine's state and the allocator's history, and rounds let that noise hit the baseline and the
-    strategies alike. Each such row is its median launch, with every launch's samples/s in round order."""
+    """One row per run of `plan`; a `scaling` run's: its median launch of `repeats` rounds (docs/performance.md)."""
     order = [(i, spec) for i in range(repeats) for spec in plan if spec.scaling]
     order += [(0, spec) for spec in plan if not spec.scaling]
     launches: dict[int, list[dict[str, Any]]] = {id(spec): [] for spec in plan}
@@ -153,46 +130,34 @@ def launch_all(
     return rows
 
 
-def summarize(report: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    """The rows' ratios and FLOP/s, the scaling table, the step breakdowns and the pipeline ceilings."""
-    annotate(rows, flops_per_sample=report["model"]["train_flops_per_sample"], peaks=report["peak_gflops"])
-    # each breakdown names its run (and command); it is kept once, here, not also in its row
-    report["step_breakdown"] = [row.pop("step_breakdown") for row in rows if "step_breakdown" in row]
-    report["runs"] = rows
-    report["scaling"] = scaling_table(rows)
-    report["pipeline_ceiling"] = pipeline_ceiling(
-        report["model"]["layers"],
-        stage_counts=sorted({r["pipeline"]["stages"] for r in rows if "pipeline" in r}),
-        peak_one_thread_gflops=report["peak_by_threads_gflops"]["fp32 1 thread, CPU time"],
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import torch
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    watch = LoadWatch(quiet_wait=wait_until_quiet(args.wait_quiet) if args.wait_quiet else None)
-    say: Say = lambda message: print(f"[bench {watch.elapsed_s():6.1f} s] {message}", flush=True)
+    watch = LoadWatch(args.wait_quiet)
+    say = lambda message: print(f"[bench {watch.elapsed_s():6.1f} s] {message}", flush=True)
     report: dict[str, Any] = {"settings": dict(vars(args))}
     say("ceilings: matmul peak, model FLOPs")
     report.update(machine_peaks(n=args.peak_n, repeats=args.peak_repeats))
     report["model"] = model_flops()
     if not (args.quick or args.no_micro):  # the smoke test measures nothing in-process
-        sizes = dict(batch_size=args.batch_size, train_size=args.train_size)
-        report.update(measure_in_process(**sizes, everything=args.all, out=out, say=say))
+        report.update(measure_in_process(args.batch_size, args.train_size, everything=args.all, say=say))
     rows = []
     if not args.micro_only:
-        runs = dict(work=out, repeats=args.repeats, timeout_s=args.timeout_s, say=say)
-        rows = launch_all(plan_of(args), launch_settings(args), **runs)
-    summarize(report, rows)
+        test_size, train_size = (64, args.train_size) if args.quick else (args.test_size, 0)  # 0: the scripts' default
+        settings = Settings(args.batch_size, args.warmup_steps, args.timed_steps, test_size, train_size)
+        rows = launch_all(plan_of(args), settings, work=out, repeats=args.repeats, timeout_s=args.timeout_s, say=say)
+    annotate(rows, flops_per_sample=report["model"]["train_flops_per_sample"], peaks=report["peak_gflops"])
+    # each breakdown names its run (and command); it is kept once, here, not also in its row
+    report["step_breakdown"] = [row.pop("step_breakdown") for row in rows if "step_breakdown" in row]
+    report |= {"runs": rows, "scaling": scaling_table(rows)}
+    stages, layers = sorted({r["pipeline"]["stages"] for r in rows if "pipeline" in r}), report["model"]["layers"]
+    peak = report["peak_by_threads_gflops"]["fp32 1 thread, CPU time"]
+    report["pipeline_ceiling"] = pipeline_ceiling(layers, stage_counts=stages, peak_one_thread_gflops=peak)
     report["machine"] = watch.summary(torch.__version__)
     (out / "bench.json").write_text(json.dumps(report, indent=1))
     (out / "bench.md").write_text(markdown(report))
     say(f"wrote {out / 'bench.json'} and {out / 'bench.md'}")
     print(markdown(report))
-
-
-if __name__ == "__main__":
-    main()

@@ -3,12 +3,9 @@
     torchrun --standalone --nproc-per-node 4 -m bench.collectives           # 4 KiB .. 256 MiB: runs/collectives/
     torchrun --standalone --nproc-per-node 4 -m bench.collectives --quick   # 3 sizes, a smoke test in seconds
     NPROC=3 python -m bench.collectives --ops all_reduce,all_reduce_ring    # checks the flags, then starts torchrun
-    python -m bench.collectives --plot runs/c2/collectives.json runs/c4/collectives.json --out runs/cmp  # no torch
 
-docs/communication.md says what each op, size and bandwidth is. Each op is checked once on known values, then
-timed per size: warm-up calls, a barrier, back-to-back calls for about TARGET_S; the time is the slowest rank's
-mean (nccl-tests' `-a 3`). Rank 0 prints the table and writes collectives.json and collectives.png in --out.
-`predict_time_s` (no torch, no process group) reads an op's time at any size back from the rows.
+docs/communication.md says what each op, size and bandwidth is. Each op is checked on known values, then timed
+per size (time_op); rank 0 prints the table and writes collectives.json and collectives.png in --out.
 """
 
 from __future__ import annotations
@@ -24,9 +21,8 @@ from datetime import date
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
-from bench import figures
-from bench.figures import human
-from bench.machine import CORES, ROOT, cpu_name, cpu_seconds, peak_rss_bytes, torchrun
+from bench.launches import CORES, ROOT, LoadWatch, cpu_name, cpu_seconds, peak_rss_bytes, torchrun
+from bench.report import human
 from common.errors import UserError, fail
 
 if TYPE_CHECKING:
@@ -36,8 +32,7 @@ if TYPE_CHECKING:
 
 OPS = ("all_reduce", "all_reduce_ring", "reduce_scatter", "all_gather", "broadcast", "send_recv")
 FLOAT32 = 4  # bytes per element
-TARGET_S = 0.25  # timed seconds per op and size: 250 calls of 1 ms, 3 (MIN_ITERS) of 0.5 s
-QUICK_TARGET_S = 0.02
+TARGET_S, QUICK_TARGET_S = 0.25, 0.02  # timed seconds per op and size: 250 calls of 1 ms, 3 (MIN_ITERS) of 0.5 s
 MIN_ITERS, MAX_ITERS = 3, 1000  # nccl-tests times 20 by default; here small messages vary from call to call, so more
 WARMUP_ITERS, WARMUP_S = 5, 0.05  # nccl-tests' default -w 5, fewer where that would take longer than WARMUP_S
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -46,19 +41,14 @@ RUNTIME_MIB = 600  # a CPU worker's peak RSS besides its messages: 526 MiB measu
 
 
 def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' busbw / algbw on n ranks (doc/PERFORMANCE.md): the share of the size each rank sends or receives."""
-    if op in ("all_reduce", "all_reduce_ring"):
-        return 2 * (n - 1) / n  # a reduce-scatter then an all-gather, each (n - 1) / n of the tensor per rank
-    if op in ("reduce_scatter", "all_gather"):
-        return (n - 1) / n
-    return 1.0  # broadcast: all of it leaves the root; send_recv: all of it crosses one link
+    """nccl-tests' busbw / algbw on n ranks: the share of the size each rank sends (docs/communication.md)."""
+    share = (n - 1) / n  # an all-reduce is a reduce-scatter then an all-gather
+    return 2 * share if op.startswith("all_reduce") else share if op in ("reduce_scatter", "all_gather") else 1.0
 
 
 def predict_time_s(results: list[dict[str, Any]], op: str, size_bytes: float) -> float:
-    """The time of one `op` of `size_bytes` (nccl-tests' size), from a benchmark's rows (collectives.json's
-    "results"): log-log interpolation between the two measured sizes around it. Outside the measured range it is
-    the time at the nearest end, clamped, not extrapolated: past the largest size it underestimates, so measure up
-    to the sizes you ask about. Needs neither torch nor a process group."""
+    """The time of one `op` of `size_bytes` (nccl-tests' size) from collectives.json's "results": log-log between the
+    measured sizes around it, else the nearest end's (clamped: measure up to the sizes you ask about). No torch."""
     points = sorted((float(r["bytes"]), float(r["time_s"])) for r in results if r["op"] == op)
     if not points:
         raise ValueError(f"no rows for op {op!r}; the results hold {sorted({r['op'] for r in results})}")
@@ -72,15 +62,6 @@ def predict_time_s(results: list[dict[str, Any]], op: str, size_bytes: float) ->
     return math.exp(math.log(time_lo) + fraction * math.log(time_hi / time_lo))
 
 
-def message_sizes(min_bytes: int, max_bytes: int, *, quick: bool) -> list[int]:
-    """Every power of 2 times --min-bytes up to --max-bytes; --quick: every 16th, up to 1 MiB."""
-    step, top = (16, max(min_bytes, min(max_bytes, 1 << 20))) if quick else (2, max_bytes)
-    sizes = [min_bytes]
-    while sizes[-1] * step <= top:
-        sizes.append(sizes[-1] * step)
-    return sizes
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, as every entry point of the suite says a bad flag
         raise UserError(f"{message} (see --help)")
@@ -89,34 +70,26 @@ class _Parser(argparse.ArgumentParser):
 def parse_bytes(flag: str, text: str) -> int:
     """'4096', '4K', '256M', '1G' (powers of 1024, as nccl-tests reads -b and -e) -> bytes."""
     number, unit = (text[:-1], text[-1].upper()) if text[-1:].upper() in UNITS else (text, "")
-    try:
-        value = int(number) * UNITS[unit]
-    except ValueError:
-        raise UserError(f"{flag}: {text!r} is not a size; give bytes, e.g. 4096, 64K or 256M") from None
+    value = int(number) * UNITS[unit] if number.isdigit() else 0
     if value <= 0:
-        raise UserError(f"{flag}: {text} is not a positive size; give bytes, e.g. 4096, 64K or 256M")
+        raise UserError(f"{flag}: {text!r} is not a positive size; give bytes, e.g. 4096, 64K or 256M")
     return value
 
 
 def parse_args(argv: Sequence[str], world_size: int) -> argparse.Namespace:
     """The flags, checked for a run of `world_size` processes: a bad one raises UserError (one line)."""
-    parser = _Parser(
-        prog="torchrun --standalone --nproc-per-node 4 -m bench.collectives",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    prog = "torchrun --standalone --nproc-per-node 4 -m bench.collectives"
+    parser = _Parser(prog, description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = parser.add_argument
     add("--out", default="runs/collectives", help="folder for collectives.json and .png")
     add("--min-bytes", default="4096", help="smallest message (bytes; K, M, G: powers of 1024)")
     add("--max-bytes", default="268435456", help="largest message (bytes; K, M, G)")
     add("--ops", default=",".join(OPS), help="which ops, comma-separated")
     add("--quick", action="store_true", help="every 16th size up to 1 MiB, briefly: a smoke test")
-    add("--plot", nargs="+", metavar="JSON", help="no measuring: draw saved collectives.json files")
     args = parser.parse_args(argv)
-    if args.plot:
-        return args
     args.min_bytes = parse_bytes("--min-bytes", args.min_bytes)
     args.max_bytes = parse_bytes("--max-bytes", args.max_bytes)
+    args.ops = args.ops.split(",")
     if args.min_bytes > args.max_bytes:
         raise UserError(f"--min-bytes: {args.min_bytes} is larger than --max-bytes {args.max_bytes}; swap them")
     if args.min_bytes < FLOAT32 * world_size:  # all_gather and reduce_scatter need one float32 per rank
@@ -124,9 +97,7 @@ def parse_args(argv: Sequence[str], world_size: int) -> argparse.Namespace:
             f"--min-bytes: {args.min_bytes} bytes hold less than one float32 per rank for {world_size} processes; "
             f"use at least {FLOAT32 * world_size}"
         )
-    args.ops = args.ops.split(",")
-    unknown = [op for op in args.ops if op not in OPS]
-    if unknown:
+    if unknown := [op for op in args.ops if op not in OPS]:
         raise UserError(f"--ops: unknown op {unknown[0]!r}; choose from {','.join(OPS)}")
     if world_size < 2:
         raise UserError(f"--nproc-per-node (NPROC): a collective needs at least 2 processes, not {world_size}")
@@ -134,8 +105,7 @@ def parse_args(argv: Sequence[str], world_size: int) -> argparse.Namespace:
 
 
 def check_memory(max_bytes: int, processes: int) -> None:
-    """The memory wall on the CPU, before any tensor: each process holds up to ~3 messages of --max-bytes at once
-    (all_gather: the gathered tensor, its shard, gloo's copy; 2.2 x 256 MiB measured above the runtime)."""
+    """The memory wall on the CPU: a process holds up to ~3 messages at once (all_gather: 2.2 x 256 MiB measured)."""
     from runner.memory import available_mib
 
     available, need = available_mib(), processes * (RUNTIME_MIB + 3 * max_bytes / 2**20)
@@ -144,17 +114,6 @@ def check_memory(max_bytes: int, processes: int) -> None:
             f"--max-bytes: {processes} processes x ({RUNTIME_MIB} MiB + 3 x {human(max_bytes)}) need ~{need / 1024:.1f}"
             f" GiB, {available / 1024:.1f} GiB are available; lower --max-bytes"
         )
-
-
-def launch(args: argparse.Namespace, argv: list[str], nproc: int) -> NoReturn:
-    """Without torchrun: the flags (`args`, parsed from `argv`) were checked here, so a bad one is one line and exit 2
-    (a worker's exit 2 would become torchrun's exit 1 and its report); now this process becomes torchrun."""
-    from runner.memory import gpu_mib
-
-    if gpu_mib() is None:  # no NVIDIA GPU (nvidia-smi says): the workers will hold their messages in this memory
-        check_memory(args.max_bytes, nproc)
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # finds bench from any folder
-    os.execve(sys.executable, [*torchrun(nproc), "-m", "bench.collectives", *argv], {**os.environ, "PYTHONPATH": path})
 
 
 def build_op(
@@ -169,27 +128,22 @@ def build_op(
     from common.ring import ring_all_reduce
 
     n, rank = env.world_size, env.rank
-
-    def tensor(numel: int) -> torch.Tensor:
-        return torch.full((numel,), float(rank + 1) if fill else 0.0, dtype=torch.float32, device=env.device)
-
-    if op in ("reduce_scatter", "all_gather"):
-        shard_numel = size // (FLOAT32 * n)  # the size is rounded down to n equal shards
-        shard, full = tensor(shard_numel), tensor(shard_numel * n)
-        # torch 2.14 renamed reduce_scatter_tensor and all_gather_into_tensor (the old names warn); same calls
-        if op == "reduce_scatter":
-            reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-            return lambda: reduce_scatter(shard, full), full.numel() * FLOAT32, shard
-        all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-        return lambda: all_gather(full, shard), full.numel() * FLOAT32, full
-    whole = tensor(size // FLOAT32)
+    tensor = lambda numel: torch.full((numel,), rank + 1.0 if fill else 0.0, dtype=torch.float32, device=env.device)
+    sharded = op in ("reduce_scatter", "all_gather")
+    numel = size // (FLOAT32 * n) * n if sharded else size // FLOAT32  # sharded: rounded down to n equal shards
+    whole, shard = tensor(numel), tensor(numel // n) if sharded else None
+    # torch 2.14 renamed reduce_scatter_tensor and all_gather_into_tensor (the old names warn); same calls
+    reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+    all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
     calls = {  # send_recv: one pair, so that one link is all that is measured; the other ranks sit out
         "all_reduce": lambda: dist.all_reduce(whole),
         "all_reduce_ring": lambda: ring_all_reduce(whole),
+        "reduce_scatter": lambda: reduce_scatter(shard, whole),
+        "all_gather": lambda: all_gather(whole, shard),
         "broadcast": lambda: dist.broadcast(whole, src=0),
         "send_recv": [lambda: dist.send(whole, dst=1), lambda: dist.recv(whole, src=0)][rank] if rank < 2 else None,
     }
-    return calls[op], whole.numel() * FLOAT32, whole
+    return calls[op], numel * FLOAT32, shard if op == "reduce_scatter" else whole
 
 
 def check_ops(ops: Sequence[str], env: DistEnv) -> None:
@@ -203,11 +157,10 @@ def check_ops(ops: Sequence[str], env: DistEnv) -> None:
         if call is None:
             continue
         call()
-        if op == "all_gather":  # shard k comes from rank k
-            expected = torch.arange(1, n + 1, dtype=torch.float32, device=output.device)
-            expected = expected.repeat_interleave(output.numel() // n)
-        else:  # broadcast and send_recv: rank 0's ones; the reductions: the sum over the ranks
-            expected = torch.full_like(output, 1.0 if op in ("broadcast", "send_recv") else n * (n + 1) / 2)
+        shards = torch.arange(1, n + 1, dtype=torch.float32, device=output.device)  # all_gather: shard k from rank k
+        ones = op in ("broadcast", "send_recv")  # rank 0's ones; the reductions: the sum over the ranks
+        full = torch.full_like(output, 1.0 if ones else n * (n + 1) / 2)
+        expected = shards.repeat_interleave(output.numel() // n) if op == "all_gather" else full
         if not torch.equal(output, expected):
             got, want = output.tolist()[:8], expected.tolist()[:8]
             raise RuntimeError(f"[rank {env.rank}] {op} is wrong: got {got}.., expected {want}..")
@@ -225,8 +178,7 @@ def every_rank(value: float, env: DistEnv) -> list[float]:
 
 
 def time_op(call: Callable[[], object] | None, env: DistEnv, *, target_s: float) -> tuple[list[float], int]:
-    """(each rank's mean seconds per call, 0.0 on a rank that sits out; how many calls were timed). The call counts
-    come from times all-reduced over the ranks, so every rank makes the same calls."""
+    """(each rank's mean seconds per call, 0.0 on a rank that sits out; the calls timed, the same on every rank)."""
     import torch
     import torch.distributed as dist
 
@@ -257,39 +209,19 @@ def time_op(call: Callable[[], object] | None, env: DistEnv, *, target_s: float)
     return every_rank(timed(iters), env), iters
 
 
-HEADER = f"{'op':<16} {'size (B)':>11} {'iters':>5} {'time (us)':>12} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13}"
-
-
-def table_line(r: dict[str, Any]) -> str:
-    bandwidths = f"{r['algbw_GBps']:>13.3f} {r['busbw_GBps']:>13.3f}"
-    return f"{r['op']:<16} {r['bytes']:>11} {r['iters']:>5} {r['time_s'] * 1e6:>12.1f} {bandwidths}"
-
-
-def plot(files: Sequence[str], out: Path) -> None:
-    """--plot: the figure of saved runs (a panel per process count) and, for several, all their rows in one file."""
-    runs = []
-    for name in files:
-        try:
-            runs.append(json.loads(Path(name).read_text()))
-        except (OSError, ValueError) as e:
-            raise UserError(f"--plot: cannot read {name}: {e}") from None
-    runs.sort(key=lambda run: run["world_size"])  # stable: a count's launches stay in the order given
-    out.mkdir(parents=True, exist_ok=True)
-    figures.collectives(runs, out / "collectives.png", ops=OPS)
-    if len(runs) > 1:  # not collectives.json: --out may be one of the runs' own folders
-        (out / "collectives-runs.json").write_text(json.dumps({"runs": runs}, indent=1) + "\n")
-    print(f"wrote {out / 'collectives.png'}" + (f", {out / 'collectives-runs.json'}" if len(runs) > 1 else ""))
-
-
 def measure(args: argparse.Namespace, env: DistEnv, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """Every op at every size, checked first; rank 0 logs the table as it goes."""
     import torch
 
-    sizes = message_sizes(args.min_bytes, args.max_bytes, quick=args.quick)
+    # every power of 2 times --min-bytes up to --max-bytes; --quick: every 16th, up to 1 MiB
+    step, top = (16, max(args.min_bytes, min(args.max_bytes, 1 << 20))) if args.quick else (2, args.max_bytes)
+    sizes = [args.min_bytes]
+    while sizes[-1] * step <= top:
+        sizes.append(sizes[-1] * step)
     check_ops(args.ops, env)
     where = f"{env.world_size} processes, {env.backend} on {env.device.type}, {cpu_name()}, torch {torch.__version__}"
     log(f"# {where}; {human(sizes[0])} .. {human(sizes[-1])}; time: the slowest rank's mean")
-    log(HEADER)
+    log(f"{'op':<16} {'size (B)':>11} {'iters':>5} {'time (us)':>12} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13}")
     results = []
     for op in args.ops:
         for size in sizes:
@@ -297,10 +229,12 @@ def measure(args: argparse.Namespace, env: DistEnv, log: Callable[[str], None]) 
             times, iters = time_op(call, env, target_s=QUICK_TARGET_S if args.quick else TARGET_S)
             del call  # frees this size's tensors before the next size allocates its own
             measured = times[1:2] if op == "send_recv" else times  # send_recv: the receiver's time
-            algbw = nbytes / max(measured) / 1e9
-            results.append({"op": op, "bytes": nbytes, "time_s": max(measured), "algbw_GBps": algbw})
-            results[-1].update(busbw_GBps=algbw * bus_factor(op, env.world_size), iters=iters, time_s_per_rank=measured)
-            log(table_line(results[-1]))
+            time_s = max(measured)
+            algbw = nbytes / time_s / 1e9
+            busbw = algbw * bus_factor(op, env.world_size)
+            results.append(dict(op=op, bytes=nbytes, time_s=time_s, algbw_GBps=algbw, busbw_GBps=busbw, iters=iters))
+            results[-1]["time_s_per_rank"] = measured
+            log(f"{op:<16} {nbytes:>11} {iters:>5} {time_s * 1e6:>12.1f} {algbw:>13.3f} {busbw:>13.3f}")
     return results
 
 
@@ -311,36 +245,32 @@ def worker(argv: list[str]) -> None:
     from common.distributed import RankLogger, setup_distributed, teardown_distributed
 
     args = parse_args(argv, int(os.environ["WORLD_SIZE"]))  # every rank checks: a bad flag stops them all at once
-    if args.plot:
-        if int(os.environ["RANK"]) == 0:
-            plot(args.plot, Path(args.out))
-        return
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if not (torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size):  # setup_distributed's rule
         check_memory(args.max_bytes, local_world_size)  # on the CPU: every process on this machine in its memory
     env = setup_distributed()
     log = RankLogger(env.is_main)
     try:
-        started, load_before = time.perf_counter(), os.getloadavg()
-        machine_busy, own = cpu_seconds()  # to say how much of the machine others took meanwhile
+        watch = LoadWatch()
         results = measure(args, env, log)
-        wall_s = time.perf_counter() - started
-        ranks_cpu_s = sum(every_rank(cpu_seconds()[1] - own, env))  # every thread of each rank, gloo's included
+        wall_s = watch.elapsed_s()
+        ranks_cpu_s = sum(every_rank(cpu_seconds()[1] - watch.cpu_before[1], env))  # every thread of every rank
         peak_rss = int(max(every_rank(peak_rss_bytes() or 0, env)))
         if not env.is_main:
             return
-        other_cores = max(0.0, cpu_seconds()[0] - machine_busy - ranks_cpu_s) / wall_s
+        other_cores = watch.other_cores(ranks_cpu_s)  # torchrun's agent included
         command = f"torchrun --standalone --nproc-per-node {env.local_world_size} -m bench.collectives"
         gpu = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else None
         report = dict(world_size=env.world_size, backend=env.backend, device=env.device.type, gpu=gpu)
         report |= dict(torch=torch.__version__, date=date.today().isoformat(), machine=cpu_name(), cores=CORES)
-        report |= dict(command=" ".join([command, *argv]), timing=TIMING, wall_s=wall_s, load_before=load_before)
-        # cores others kept busy (torchrun's agent included); the largest rank's peak RSS
+        report |= dict(command=" ".join([command, *argv]), timing=TIMING, wall_s=wall_s, load_before=watch.load_before)
         report |= dict(other_processes_cores=other_cores, peak_rss_bytes=peak_rss, results=results)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "collectives.json").write_text(json.dumps(report, indent=1) + "\n")
-        figures.collectives([report], out / "collectives.png", ops=OPS)
+        from bench.figures import collectives  # matplotlib: only where a figure is drawn
+
+        collectives(report, out / "collectives.png", ops=OPS)
         log(f"# {wall_s:.1f} s; other processes kept {other_cores:.2f} of {CORES} cores busy meanwhile")
         log(f"wrote {out / 'collectives.json'}, {out / 'collectives.png'}")
     finally:
@@ -354,17 +284,21 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         run(lambda: worker(argv))  # a UserError: one line from rank 0, exit 2
         return
+    # Without torchrun: the flags are checked here, so a bad one is one line and exit 2 (a worker's exit 2 would
+    # become torchrun's exit 1 and its report); then this process becomes torchrun.
+    from runner.memory import gpu_mib
+
+    text = os.environ.get("NPROC", "4")
     try:
-        text = os.environ.get("NPROC", "4")
-        if not text.isdigit() and "--plot" not in argv:
+        if not text.isdigit():
             raise UserError(f"NPROC: {text!r} is not a process count")
-        args = parse_args(argv, int(text) if text.isdigit() else 2)
-        if args.plot:
-            plot(args.plot, Path(args.out))
-        else:
-            launch(args, argv, int(text))
+        args, nproc = parse_args(argv, int(text)), int(text)
+        if gpu_mib() is None:  # no NVIDIA GPU (nvidia-smi says): the workers will hold their messages in this memory
+            check_memory(args.max_bytes, nproc)
     except UserError as e:
         fail(str(e))
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # finds bench from any folder
+    os.execve(sys.executable, [*torchrun(nproc), "-m", "bench.collectives", *argv], {**os.environ, "PYTHONPATH": path})
 
 
 if __name__ == "__main__":

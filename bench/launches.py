@@ -1,61 +1,108 @@
-"""The one launch helper of python -m bench, bench.scale, bench.essentials and tests/soak.py: start a real script or
-runner as a user does (`python train_x.py`, torchrun, `bash run_x.sh`), its output in <out>/console.log, watched
-for its first metrics record and each rank's peak RSS, killed past its timeout; then read what it wrote
-(metrics.jsonl, run.json) and, if it failed, why."""
-
-from __future__ import annotations
+"""The machine the benchmarks run on, and the one launch helper of bench, bench.scale, bench.essentials and
+tests/soak.py: a real script or runner started as a user does, watched (first record, each rank's peak RSS, a
+timeout), then what it wrote (metrics.jsonl, run.json) and, if it failed, why. No torch here."""
 
 import json
 import math
 import os
+import platform
 import re
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.machine import ROOT, launch_env, peak_rss_bytes
-
+ROOT = Path(__file__).resolve().parent.parent
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 POLL_S = 0.02
 RSS_EVERY = 10  # polls between two RSS samples: reading every process's parent costs a few ms
 
 
-def _descendants(root_pid: int) -> set[int]:
-    """root_pid and every process below it."""
-    parents = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):  # a process that ended meanwhile
-            pass
-    family, frontier = {root_pid}, [root_pid]
-    while frontier:
-        pid = frontier.pop()
-        children = {child for child, parent in parents.items() if parent == pid} - family
-        family |= children
-        frontier += children
-    return family
+def torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
 
 
-def _rank_of(pid: int) -> int | None:
+def launch_env(nproc: int = 1, **extra: str) -> dict[str, str]:
+    """This process's environment for a launch, without what would tie it to a torchrun (threads, rendezvous)."""
+    tied = ("OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    ours = {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "PYTHON": sys.executable, "NPROC": str(nproc)}
+    return {**{k: v for k, v in os.environ.items() if k not in tied}, **ours, **extra}
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(busy CPU seconds of the whole machine, CPU seconds of this process and its waited-for descendants)."""
+    with open("/proc/stat") as f:
+        jiffies = [int(v) for v in f.readline().split()[1:]]
+    own = os.times()
+    busy = (sum(jiffies) - jiffies[3] - jiffies[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    return busy, own.user + own.system + own.children_user + own.children_system
+
+
+def cpu_name() -> str:
     try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            environ = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-    except OSError:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def peak_rss_bytes(pid: int | str = "self") -> int | None:
+    """A process's peak resident memory (VmHWM in /proc/<pid>/status); None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
         return None
-    return int(environ[b"RANK"]) if b"RANK" in environ else None
+
+
+class LoadWatch:
+    """How busy the machine was from a benchmark's start on: timing on a shared machine is noise."""
+
+    def __init__(self, quiet_wait_s: float = 0) -> None:
+        deadline = time.time() + quiet_wait_s  # first wait up to quiet_wait_s for a 1-minute load average < 1
+        while quiet_wait_s and os.getloadavg()[0] >= 1.0 and time.time() < deadline:
+            time.sleep(10)
+        self.quiet_wait = os.getloadavg()[0] < 1.0 if quiet_wait_s else None
+        self.load_before, self.cpu_before, self.started = os.getloadavg(), cpu_seconds(), time.perf_counter()
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.started
+
+    def other_cores(self, own_s: float | None = None) -> float:
+        """Cores others kept busy on average, ours having used `own_s` CPU seconds (default: ours, children's too)."""
+        busy, own = cpu_seconds()
+        own_s = own - self.cpu_before[1] if own_s is None else own_s
+        return max(0.0, busy - self.cpu_before[0] - own_s) / self.elapsed_s()
+
+    def summary(self, torch_version: str) -> dict[str, object]:
+        others, load = self.other_cores(), self.load_before
+        summary = dict(cpu=cpu_name(), cores=CORES, torch=torch_version, load_before=load, other_processes_cores=others)
+        quiet = load[0] < 1.0 and others < 0.1  # the report says when the figures are inflated
+        return summary | dict(waited_for_quiet=self.quiet_wait, quiet=quiet, bench_wall_s=self.elapsed_s())
 
 
 def _sample_rss(root_pid: int, nproc: int, peaks: dict[int, int]) -> None:
-    """Record the peak RSS (VmHWM) of each rank among root_pid's descendants, keyed by rank."""
-    for pid in _descendants(root_pid):
-        rank = _rank_of(pid)
-        if rank is None and nproc == 1 and pid == root_pid:  # `python train_x.py`: the process is the rank
-            rank = 0
-        hwm = peak_rss_bytes(pid) if rank is not None else None
-        if hwm is not None:
+    """Record the peak RSS (VmHWM) of each rank (its RANK) among root_pid and every process below it."""
+    parents = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:  # "pid (name) state ppid ...": the name may hold spaces
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # a process that ended meanwhile
+            pass
+    family = {root_pid}
+    while more := {pid for pid, parent in parents.items() if parent in family} - family:
+        family |= more
+    for pid in family:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                rank = next((int(kv[5:]) for kv in f.read().split(b"\0") if kv.startswith(b"RANK=")), None)
+        except OSError:
+            rank = None
+        rank = 0 if rank is None and nproc == 1 and pid == root_pid else rank  # `python train_x.py`: the rank
+        if rank is not None and (hwm := peak_rss_bytes(pid)) is not None:
             peaks[rank] = max(peaks.get(rank, 0), hwm)
 
 
@@ -76,13 +123,7 @@ def read_run_json(out: Path) -> dict[str, Any] | None:
 
 
 def launch(
-    cmd: list[str],
-    *,
-    out: Path,
-    nproc: int,
-    timeout_s: float,
-    rss_until_eval_at: int | None = None,
-    env: dict[str, str] | None = None,
+    cmd: list[str], *, out: Path, nproc: int, timeout_s: float, rss_until_eval_at: int = 0, env: dict | None = None
 ) -> dict[str, Any]:
     """Run `cmd` from the suite's root, noting when the first record appears in out/metrics.jsonl and each rank's
     peak RSS: to the end, or up to the evaluation record of step `rss_until_eval_at` (a run that profiles steps
@@ -94,7 +135,7 @@ def launch(
         started = time.perf_counter()
         where = dict(cwd=ROOT, env=env or launch_env(nproc), stdout=console, stderr=subprocess.STDOUT)
         proc = subprocess.Popen(cmd, **where, start_new_session=True)  # a session of its own: killed as one
-        while proc.poll() is None:
+        while proc.poll() is None and time.perf_counter() - started < timeout_s:
             grown = metrics.exists() and metrics.stat().st_size != size
             if first_record_s is None and grown:
                 first_record_s = time.perf_counter() - started
@@ -106,64 +147,48 @@ def launch(
                     _sample_rss(proc.pid, nproc, peaks)  # the last sample, within a poll of the record
                     watching_rss = False
             polls += 1
-            if time.perf_counter() - started > timeout_s:
-                os.killpg(proc.pid, 9)  # torchrun (or bash) and its workers
-                proc.wait()
-                break
             time.sleep(POLL_S)
-    return {
-        "returncode": proc.returncode,
-        "wall_s": time.perf_counter() - started,
-        "first_record_s": first_record_s,
-        "peak_rss_bytes": [peaks.get(r) for r in range(nproc)],
-    }
+        if proc.poll() is None:  # past timeout_s: torchrun (or bash) and its workers
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    wall_s, rss = time.perf_counter() - started, [peaks.get(r) for r in range(nproc)]
+    return {"returncode": proc.returncode, "wall_s": wall_s, "first_record_s": first_record_s, "peak_rss_bytes": rss}
 
 
 def failure(out: Path, returncode: int) -> str:
     """The script's own one-line error (or gloo's abort) if it printed one, else the last lines of the console."""
     lines = (out / "console.log").read_text().strip().splitlines()
-    said = [
-        m.group(1)
-        for line in lines
-        if (m := re.search(r"(?:^|\]:? )((?:\w*Error|error): .*|terminate called.*)", line.strip()))
-        and "ChildFailedError" not in line
-    ]
+    pattern = re.compile(r"(?:^|\]:? )((?:\w*Error|error): .*|terminate called.*)")
+    said = [m.group(1) for line in lines if "ChildFailedError" not in line and (m := pattern.search(line.strip()))]
     return f"exit {returncode}: {said[0].strip() if said else ' | '.join(lines[-4:])}"
 
 
 def timing_stats(records: list[dict[str, Any]], *, warmup: int, timed: int | None, batch_size: int) -> dict[str, Any]:
-    """Throughput and step-time distribution over steps warmup + 1 .. warmup + timed (timed None: all the
-    steps after the warm-up). Steps after them (profiled ones) are left out."""
+    """samples/s and the step time's distribution over steps warmup + 1 .. warmup + timed (None: to the end)."""
     last = math.inf if timed is None else warmup + timed
     timed_records = [r for r in records if warmup < r["step"] <= last]
     if not timed_records:
         return {}
     times = sorted(r["step_time_s"] for r in timed_records)
     quantile = lambda q: times[round(q * (len(times) - 1))]
-    step_time = dict(median=statistics.median(times), p10=quantile(0.1), p90=quantile(0.9), min=times[0], max=times[-1])
     stats = {"timed_steps": len(times), "samples_per_s": batch_size * len(times) / sum(times)}
-    stats["step_time_s"] = {**step_time, "mean": statistics.fmean(times)}
+    spread = dict(p10=quantile(0.1), p90=quantile(0.9), min=times[0], max=times[-1], mean=statistics.fmean(times))
+    stats["step_time_s"] = {"median": statistics.median(times), **spread}
     if all("data_time_s" in r for r in timed_records):
         stats["data_share"] = sum(r["data_time_s"] for r in timed_records) / sum(times)
     return stats
 
 
 def run_json_facts(info: dict[str, Any]) -> dict[str, Any]:
-    """What a row takes from the run's run.json: threads, each rank's tensor bytes, test accuracy, and a
-    pipeline's layout (replicas and pipeline ranks, as the run itself reports them) and measured bubble."""
+    """What a row takes from run.json: threads, tensor bytes, test accuracy, a pipeline's layout and bubble."""
     from tools.compare import state_bytes_per_rank
 
-    facts = {
-        "threads_per_process": info.get("threads_per_process"),
-        "tensor_bytes_per_rank": state_bytes_per_rank(info),
-        "test_accuracy": (info.get("final") or {}).get("test_accuracy"),
-    }
-    pipeline = info.get("pipeline")
-    if pipeline:
+    facts = dict(threads_per_process=info.get("threads_per_process"), tensor_bytes_per_rank=state_bytes_per_rank(info))
+    facts["test_accuracy"] = (info.get("final") or {}).get("test_accuracy")
+    if pipeline := info.get("pipeline"):
         config = info["config"]
         layout = dict(schedule=config["schedule"], replicas=config["dp"], pipeline_ranks=pipeline["pp_size"])
         facts["pipeline"] = {**layout, "stages": pipeline["n_stages"]}
-        bubble = pipeline.get("bubble")
-        if bubble:  # the pipeline's own measurement: how busy each rank was
-            facts["pipeline_bubble"] = {k: bubble.get(k) for k in ("measured", "busy_fraction_per_rank")}
+        if pipeline.get("bubble"):  # the pipeline's own measurement: how busy each rank was
+            facts["pipeline_bubble"] = {k: pipeline["bubble"].get(k) for k in ("measured", "busy_fraction_per_rank")}
     return facts

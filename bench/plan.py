@@ -1,26 +1,20 @@
-"""What the benchmark launches: one RunSpec per run (a strategy, a process count, its flags, its launcher) and
-the plans, the default one and the smoke test's. No torch here, and nothing is launched: tests check every
-planned run against the scripts' own flag checks in seconds."""
-
-from __future__ import annotations
+"""What the benchmark launches: one RunSpec per run (a strategy, a process count, its flags, its launcher), in the
+default plan or the smoke test's. No torch here: tests check every planned run against the scripts' flag checks."""
 
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
-from bench.machine import CORES, torchrun
+from bench.launches import CORES, torchrun
 from common.config import SCHEDULES, SHARDINGS
 from common.pipeline_layout import SINGLE_STAGE_SCHEDULES
 
 PROFILED_STEPS = 11  # profiled after the timed steps, for the step breakdown; the first is left out
-QUICK_PROFILED_STEPS = 3
 
 
 @dataclass(frozen=True)
-class Settings:
-    """What every launch of one benchmark shares."""
-
+class Settings:  # what every launch of one benchmark shares
     batch_size: int  # the global batch, unless a run sets its own
     warmup: int  # steps before the timed ones
     timed: int  # the steps that samples/s and the step times are taken over
@@ -40,19 +34,7 @@ class RunSpec:
     scaling: bool = False  # a run the acceptance compares: launched --repeats times, in rounds
     batch_size: int = 0  # this run's global batch; 0: the benchmark's
     threads: int = 0  # --threads; 0: the scripts' default (cores / local processes)
-    profile_steps: int = 0  # steps profiled after the timed ones, for the step breakdown (train_ddp.py only)
-
-    def __post_init__(self) -> None:
-        if self.profile_steps and (self.full or self.strategy == "baseline"):
-            raise ValueError(f"{self.name}: only a short run of a suite script can profile steps after its timed ones")
-
-    @property
-    def script(self) -> str:
-        return {"ddp": "train_ddp.py", "fsdp": "train_fsdp.py", "pippy": "train_pippy.py"}.get(self.strategy, "")
-
-    @property
-    def folder(self) -> str:
-        return f"{self.name}_{self.precision}_x{self.nproc}"
+    profile_steps: int = 0  # steps profiled after the timed ones, for the step breakdown (a short suite run)
 
     def global_batch(self, s: Settings) -> int:
         return self.batch_size or s.batch_size
@@ -69,15 +51,13 @@ class RunSpec:
         batch = ["--batch-size", str(self.global_batch(s))]
         if self.full:
             return [*own, *batch]
-        # Every run builds the default data set (train_size 0): its size changes the allocator's history, and
-        # that changes the step time (see keep_freed_memory); the quick smoke test builds a small one.
+        # the default data set (train_size 0): its size changes the allocator's history, and so the step time
         data = ["--train-size", str(s.train_size)] if s.train_size else []
         steps = ["--max-steps", str(s.warmup + s.timed + self.profile_steps)]
         if self.strategy == "baseline":
             return [*own, *steps, *batch, *data]
         first, last = self.profiled(s) or (0, 0)
-        # A profiled run also evaluates right before its profiled steps, and the launch reads its peak RSS up to
-        # that evaluation (bench/launches.py): training and one evaluation, as in an unprofiled run.
+        # an evaluation right before the profiled steps: the launch reads the peak RSS up to it (bench/launches.py)
         profile = ["--profile-steps", f"{first}:{last}", "--eval-every", str(first - 1)] if first else []
         return [*own, *steps, *batch, "--log-every", "100000", "--test-size", str(s.test_size), *data, *profile]
 
@@ -85,7 +65,7 @@ class RunSpec:
         args = [*self.flags(s), "--out", str(out)]
         if self.launcher == "run_ddp.sh":
             return ["bash", "run_ddp.sh", *args]
-        target = ["-m", "bench.baseline"] if self.strategy == "baseline" else [self.script]
+        target = ["-m", "bench.baseline"] if self.strategy == "baseline" else [f"train_{self.strategy}.py"]
         python = [sys.executable] if self.nproc == 1 and self.launcher != "torchrun" else torchrun(self.nproc)
         return [*python, *target, *args]
 
@@ -104,7 +84,7 @@ def schedule_flags(schedule: str, *, pipeline_ranks: int) -> list[str]:
 def quick_plan() -> list[RunSpec]:
     """The smoke test's launches; the 1-process DDP run also gives the step breakdown."""
     return [
-        RunSpec("ddp", "ddp", 1, launcher="python", profile_steps=QUICK_PROFILED_STEPS),
+        RunSpec("ddp", "ddp", 1, launcher="python", profile_steps=3),
         RunSpec("baseline", "baseline", 2),
         RunSpec("ddp", "ddp", 2),
     ]
@@ -125,8 +105,7 @@ def _scaling_runs(p: int, *, largest: int, bf16: bool) -> list[RunSpec]:
     if p > 1:  # a pipeline needs at least two ranks to be one
         runs.append(RunSpec("pipeline 1f1b", "pippy", p, schedule_flags("1f1b", pipeline_ranks=p)))
     if p >= 4 and p % 2 == 0:
-        # two pipelines of p/2 stages, each on half the batch (on 4 processes: 2 micro-batches of 32, the
-        # size of the 4-stage pipeline's). With fewer cores than ranks, two heavy stages keep two cores busy.
+        # two pipelines of p/2 stages, each on half the batch: with fewer cores than ranks, two heavy stages busy
         flags = [*schedule_flags("1f1b", pipeline_ranks=p // 2), "--dp", "2", "--n-microbatches", str(max(2, p // 2))]
         runs.append(RunSpec(f"pipeline 1f1b, 2 replicas × {p // 2} stages", "pippy", p, flags))
     return [replace(spec, scaling=True) for spec in runs]
@@ -135,17 +114,14 @@ def _scaling_runs(p: int, *, largest: int, bf16: bool) -> list[RunSpec]:
 def default_plan(
     procs: Sequence[int],
     *,
-    batch_size: int = 128,
     modes_procs: int,
     full_runs: bool,
-    threads_check: bool,
     bf16: bool,
     more_bf16: bool = False,
+    batch_size: int = 128,
 ) -> list[RunSpec]:
-    """The runs of the benchmark. Scaling (every process count in `procs`) for the baseline, DDP, FSDP (full)
-    and the pipeline (1F1B); every other FSDP mode and pipeline schedule on `modes_procs` processes. The
-    1-process DDP run, and one rank's share of the largest DDP run on a process of its own, profile their last
-    steps for the step breakdown."""
+    """The benchmark's runs: the scaling runs at every count in `procs`, every other FSDP mode and pipeline
+    schedule on `modes_procs` processes, and what one rank of the largest DDP run does, alone."""
     n, m = max(procs), modes_procs
     plan = [spec for p in procs for spec in _scaling_runs(p, largest=n, bf16=bf16)]
     if n > 1:  # what one rank of the largest DDP run does, alone: its share of the batch, on its threads there
@@ -163,6 +139,6 @@ def default_plan(
     if bf16 and more_bf16:
         plan.append(RunSpec("fsdp full", "fsdp", n, ["--sharding", "full"], precision="bf16"))
         plan.append(RunSpec("pipeline 1f1b", "pippy", n, schedule_flags("1f1b", pipeline_ranks=n), precision="bf16"))
-    if threads_check and n > CORES:
+    if n > CORES:  # every rank with a thread per core: what oversubscribing the cores costs
         plan.append(RunSpec(f"ddp, {CORES} threads/rank", "ddp", n, threads=CORES))
     return plan

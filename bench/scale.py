@@ -4,12 +4,9 @@ the pipeline (1F1B), TP and FSDP x TP (2 x 2) on 4 processes, against what the p
     python -m bench.scale                          # baby .. large, a few minutes each for large: runs/scale/
     python -m bench.scale --sizes baby,small --steps 6
 
-Per run: the memory per rank python -m planner plans and the run measured (--measure-peak), samples/s after the
-first step, and the bytes each rank sends per step (bytes_sent); a run the memory wall refuses is not launched.
-Writes scale.json, scale.md (the table) and scale.png; docs/scale.md reads them.
+A run the memory wall refuses is not launched. Writes scale.json, scale.md (the table) and scale.png, which
+docs/scale.md reads.
 """
-
-from __future__ import annotations
 
 import argparse
 import json
@@ -20,10 +17,12 @@ from typing import Any, Sequence
 
 from bench import figures
 from bench.launches import failure, launch, read_run_json, records, run_json_facts
-from bench.report import md_table
+from bench.report import fmt, md_table
+from common.cli import parse_config
 from common.config import Config
 from common.errors import ConfigError
 from common.model_sizes import layers, parameter_count, tp_layer_params, tp_pairs
+from common.pipeline_layout import PipelineLayout
 from runner.memory import MIB_PER_CPU_PROCESS, available_mib, check_memory
 
 VARIANTS = {  # name -> (runner, flags)
@@ -49,13 +48,11 @@ def bytes_sent(cfg: Config, nproc: int) -> float:
         return (2 if cfg.sharding == "grad-op" else 3) * ring * params
     if cfg.strategy == "tp":  # per layer pair, an all-reduce of its output in forward, of its input's gradient back
         tp, by_name = nproc // cfg.dp, {layer.name: layer for layer in model}
-        inputs = lambda layer: (layer.params - layer.outputs) // layer.outputs  # noqa: E731 (a linear's in_features)
+        inputs = lambda layer: (layer.params - layer.outputs) // layer.outputs  # a linear's in_features
         per_sample = sum(by_name[row].outputs + inputs(by_name[col]) for col, row in tp_pairs(cfg.model_size))
         activations = 2 * (tp - 1) / tp * 4 * (cfg.batch_size // cfg.dp) * per_sample  # the replica's batch
         held = 4 * sum(tp_layer_params(cfg.model_size, tp, cfg.dataset).values())  # FSDP x TP: over the replicas
         return activations + 3 * (cfg.dp - 1) / cfg.dp * held
-    from common.pipeline_layout import PipelineLayout
-
     layout = PipelineLayout.of(cfg, nproc)
     names = [layer.name for layer in model]
     bounds = [names.index(start) for start in layout.stage_starts[1:]]  # where each stage's output crosses over
@@ -63,28 +60,19 @@ def bytes_sent(cfg: Config, nproc: int) -> float:
     return 2 * cfg.chunk_size(nproc) * max(crossing, default=0)  # forward, and its gradient back
 
 
-def plan(cfg: Config) -> dict[str, Any]:
-    from planner.measure import plan_rank
+def run_one(size: str, variant: str, *, out: Path, steps: int) -> dict[str, Any]:
+    from planner.measure import plan_rank  # imports torch: not for --help
     from planner.plan import ranks_to_measure
 
-    ranks = [plan_rank(cfg, NPROC, rank) for rank in ranks_to_measure(cfg, NPROC)]
-    return {  # the rank that holds the most of each, as the measured columns take it
-        "peak_bytes": max(r.peak_bytes for r in ranks),
-        "state_bytes": max(r.state_bytes for r in ranks),
-        "in_flight_bytes": max(r.in_flight_bytes for r in ranks),
-    }
-
-
-def run_one(size: str, variant: str, *, out: Path, steps: int) -> dict[str, Any]:
     runner, flags = VARIANTS[variant]
     args = ["--model-size", size, *flags, "--max-steps", str(steps), "--measure-peak", "--log-every", "1"]
     args += ["--train-size", "1024", "--test-size", "128", "--dropout", "0"]
-    cfg = Config(strategy=runner, model_size=size)
-    for flag, value in zip(flags[::2], flags[1::2]):
-        setattr(cfg, flag[2:].replace("-", "_"), int(value) if value.isdigit() else value)
+    cfg = parse_config(runner, args, world_size=NPROC)  # as the runner's processes will read the flags
+    ranks = [plan_rank(cfg, NPROC, rank) for rank in ranks_to_measure(cfg, NPROC)]
+    # planned: the rank that holds the most of each, as the measured columns take it
+    planned = {key: max(getattr(r, key) for r in ranks) for key in ("peak_bytes", "state_bytes", "in_flight_bytes")}
     row: dict[str, Any] = {"size": size, "variant": variant, "parameters": parameter_count(size)}
-    row["bytes_sent_per_step"] = bytes_sent(cfg, NPROC)
-    row["planned"] = plan(cfg)
+    row |= {"bytes_sent_per_step": bytes_sent(cfg, NPROC), "planned": planned}
     try:
         check_memory(cfg, nproc=NPROC, world_size=NPROC, on_cpu=True)
     except ConfigError as e:  # the memory wall: what the runner would say, without launching
@@ -104,13 +92,9 @@ def run_one(size: str, variant: str, *, out: Path, steps: int) -> dict[str, Any]
     return {**row, "command": f"NPROC={NPROC} " + " ".join(command)}
 
 
-def gb(n: float | None) -> str:
-    return "-" if n is None else f"{n / 1e9:.3f}"
-
-
 def markdown(rows: list[dict[str, Any]]) -> str:
     header = ["size", "parameters", "strategy", "state planned", "state measured", "peak planned", "peak measured"]
-    cells = []
+    cells, gb = [], lambda n: fmt(n, ".3f", 1e-9)
     for r in rows:
         planned, speed = r["planned"], r.get("samples_per_s")
         note = "" if speed else f"does not fit: {(r.get('refused') or r.get('error', ''))[:140]}"
@@ -119,10 +103,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             + [gb(r.get("measured_state_bytes")), gb(planned["peak_bytes"]), gb(r.get("measured_peak_bytes"))]
             + [f"{speed:.0f}" if speed else "-", f"{r['bytes_sent_per_step'] / 1e6:.1f} MB", note]
         )
-    intro = (
-        f"BabyCNN on {NPROC} CPU processes: memory per rank (GB, the rank that needs the most), planned by "
-        "python -m planner and measured (--measure-peak), speed, and the bytes each rank sends per step."
-    )
+    intro = f"BabyCNN on {NPROC} CPU processes: memory per rank (GB, the rank that needs the most), planned by "
+    intro += "python -m planner and measured (--measure-peak), speed, and the bytes each rank sends per step."
     return "\n".join([intro, "", *md_table([*header, "samples/s", "sent per step", ""], cells)]) + "\n"
 
 

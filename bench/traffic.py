@@ -1,23 +1,20 @@
-"""A run's communication per step: predicted, counted, timed, and the time the collective benchmark predicts.
+"""A run's communication per step: predicted, counted, timed, and the time the collective benchmark predicts
+(docs/communication.md reads the table).
 
     torchrun --standalone --nproc-per-node 4 -m bench.collectives --out runs/collectives   # once per machine
     bash run_fsdp.sh --shard-units blocks --max-steps 6 --profile-steps 3:6 --out runs/fsdp-traffic
     python -m bench.traffic runs/fsdp-traffic --collectives runs/collectives/collectives.json
 
-For each rank and kind of collective: the elements and bytes the planner predicts for the run's configuration
-(planner/predict.py), the
-elements the profiler counted (run.json "profile"), and, for the collectives that gloo and NCCL run as spans of
-their own, the time they took per step beside the time bench.collectives measured for messages of that size.
-docs/communication.md reads the table.
+Per rank and kind of collective: planner/predict.py's prediction, the profiler's count (run.json "profile"), and
+the time bench.collectives measured for messages of that size beside the time the backend's spans took per step.
 """
-
-from __future__ import annotations
 
 import argparse
 import json
 import os
 import sys
 from dataclasses import fields
+from typing import Any
 
 from bench.collectives import predict_time_s
 from bench.report import md_table
@@ -26,7 +23,7 @@ from planner.predict import traffic
 
 COLUMNS = ["rank", "collective", "predicted elements", "counted elements", "MB sent", "MB received", "calls"]
 COLUMNS += ["benchmark ms", "measured ms"]
-BACKEND_SPANS = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter"}
+BACKEND_SPANS = ("all_reduce", "all_gather", "reduce_scatter")  # the benchmark's op of the same name
 
 
 def rows(run: dict, results: list[dict] | None) -> list[dict]:
@@ -37,25 +34,34 @@ def rows(run: dict, results: list[dict] | None) -> list[dict]:
     cfg = Config(**{f.name: run["config"][f.name] for f in fields(Config) if f.name in run["config"]})
     out = []
     for rank in range(run["world_size"]):
-        predicted = traffic(cfg, run["world_size"], rank)
         seen = counted.get(rank, {})
-        for kind, entry in predicted.items():
-            calls = seen.get("traffic", {}).get(kind, {}).get("calls")
-            row = {
-                "rank": rank,
-                "collective": kind,
-                "predicted elements": entry["elements"],
-                "counted elements": seen.get("traffic", {}).get(kind, {}).get("elements"),
-                "MB sent": entry["bytes_sent"] / 1e6,
-                "MB received": entry["bytes_received"] / 1e6,
-                "calls": calls,
-            }
-            if results and calls and kind in BACKEND_SPANS:  # each call moves bytes / calls (nccl-tests' size)
-                row["benchmark ms"] = 1e3 * calls * predict_time_s(results, BACKEND_SPANS[kind], entry["bytes"] / calls)
+        for kind, entry in traffic(cfg, run["world_size"], rank).items():
+            count = seen.get("traffic", {}).get(kind, {})
+            row = {"rank": rank, "collective": kind, "predicted elements": entry["elements"]}
+            row |= {"counted elements": count.get("elements"), "MB sent": entry["bytes_sent"] / 1e6}
+            row |= {"MB received": entry["bytes_received"] / 1e6, "calls": count.get("calls")}
+            if results and count.get("calls") and kind in BACKEND_SPANS:  # each call moves bytes / calls
+                row["benchmark ms"] = (
+                    1e3 * count["calls"] * predict_time_s(results, kind, entry["bytes"] / count["calls"])
+                )
             out.append(row)
         if "comm_s" in seen:  # the union of this rank's collective spans, per step (all kinds together)
             out.append({"rank": rank, "collective": "all (measured)", "measured ms": 1e3 * seen["comm_s"] / steps})
     return out
+
+
+def _read(path: str, hint: str) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot read {path} ({e}); {hint}")
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.0f}" if value.is_integer() else f"{value:.2f}"
+    return "-" if value is None else str(value)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -63,27 +69,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("runs", nargs="+", help="run folders with run.json (profiled with --profile-steps for counts)")
     parser.add_argument("--collectives", help="collectives.json of python -m bench.collectives, for the times")
     args = parser.parse_args(argv)
-    results = None
-    if args.collectives:
-        try:
-            with open(args.collectives) as f:
-                results = json.load(f)["results"]
-        except (OSError, ValueError, KeyError) as e:
-            sys.exit(f"error: --collectives: cannot read {args.collectives} ({e}); run python -m bench.collectives")
+    results = args.collectives and _read(args.collectives, "run python -m bench.collectives").get("results")
     for path in args.runs:
-        try:
-            with open(os.path.join(path, "run.json")) as f:
-                run = json.load(f)
-        except (OSError, ValueError) as e:
-            sys.exit(f"error: {path}: no readable run.json ({e}); is this a finished run folder?")
+        run = _read(os.path.join(path, "run.json"), "is this a finished run folder?")
         print(f"{path}: {run['strategy']} on {run['world_size']} ranks")
         print("\n".join(md_table(COLUMNS, ([_cell(row.get(k)) for k in COLUMNS] for row in rows(run, results)))))
-
-
-def _cell(value: object) -> str:
-    if isinstance(value, float):
-        return f"{value:.0f}" if value.is_integer() else f"{value:.2f}"
-    return "-" if value is None else str(value)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ SETTINGS = Settings(batch_size=128, warmup=3, timed=30, test_size=256)
 
 def test_every_planned_run_is_a_valid_configuration():
     # the full benchmark takes minutes: a flag combination the scripts reject must fail here, not in it
-    plan = default_plan([1, 2, 4], modes_procs=4, full_runs=True, threads_check=True, bf16=True, more_bf16=True)
+    plan = default_plan([1, 2, 4], modes_procs=4, full_runs=True, bf16=True, more_bf16=True)
     assert {"pipeline 1f1b, 2 replicas × 2 stages", "pipeline zbv", "fsdp hybrid"} <= {spec.name for spec in plan}
     for spec in plan:
         if spec.strategy != "baseline":  # every flag of the launch, as the script will parse it
@@ -24,7 +24,7 @@ def test_every_planned_run_is_a_valid_configuration():
 
 def test_profiled_steps_come_after_the_timed_ones():
     # the step breakdown's runs: DDP on 1 process, and one rank's share of the 4-process step on one process
-    plan = default_plan([1, 2, 4], modes_procs=2, full_runs=True, threads_check=True, bf16=True)
+    plan = default_plan([1, 2, 4], modes_procs=2, full_runs=True, bf16=True)
     profiled = [spec for spec in plan if spec.profile_steps]
     assert [(s.strategy, s.nproc, s.global_batch(SETTINGS)) for s in profiled] == [("ddp", 1, 128), ("ddp", 1, 32)]
     for spec in profiled:
