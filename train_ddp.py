@@ -75,9 +75,9 @@ def train(cfg: Config, env: DistEnv) -> None:
     log(describe_data(data, sampler, split=cfg.batch_split(env.world_size), steps=steps))
 
     # ---- model: the same initial weights on every rank, because they depend on the seed alone
-    model = build_model(size=cfg.model_size, seed=cfg.seed, dropout=cfg.dropout, **data.shape).to(env.device)
+    model = build_model(**cfg.model_kwargs(), **data.shape).to(env.device)
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"BabyCNN {cfg.model_size}: {n_params:,} parameters")
+    log(f"{type(model).__name__} {cfg.model_size}: {n_params:,} parameters")
     seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
     comm_hook = None
     if cfg.allreduce == "ring":

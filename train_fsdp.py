@@ -71,9 +71,16 @@ def apply_fsdp(
     `offload`: shards, gradients and optimizer state in CPU memory. Returns the model to train (in a checkpoint
     wrapper with `activation_checkpointing`). python -m planner shards with it too."""
     if activation_checkpointing:
-        # [FSDP] Keep only the input for backward and recompute the activations, at the cost of a second forward;
-        # the whole flat model is the span that pays (docs/fsdp.md). Checkpoint keys stay conv1.weight.
-        model = checkpoint_wrapper(model)
+        # [FSDP] Keep only each block's input for backward and recompute its activations there (a second forward),
+        # wrapped before sharding, as torchtitan orders them; a model of layer lists is one span, checkpointed whole.
+        # Checkpoint keys stay block0.attn.q.weight (docs/fsdp.md)
+        wrapped = {id(unit): checkpoint_wrapper(unit) for unit in units if isinstance(unit, nn.Module)}
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if id(child) in wrapped:
+                    setattr(parent, name, wrapped[id(child)])  # [FSDP] the block, in its wrapper, in its place
+        units = [wrapped.get(id(unit), unit) for unit in units]
+        model = model if wrapped else checkpoint_wrapper(model)
     # [FSDP] Mixed precision replaces DDP's autocast: the gathered parameters are cast, the shards stay fp32
     mixed = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
     shard = dict(
@@ -124,9 +131,9 @@ def train(cfg: Config, env: DistEnv) -> None:
     # ---- model: the same initial weights on every rank, because they depend on the seed alone
     # [FSDP] Built whole on the CPU, then sharded (fully_shard moves each shard to the device): DDP's initial
     # weights, so the curves compare. Big models use the meta device instead (docs/fsdp.md).
-    model = build_model(size=cfg.model_size, seed=cfg.seed, dropout=cfg.dropout, **data.shape)
+    model = build_model(**cfg.model_kwargs(), **data.shape)
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"BabyCNN {cfg.model_size}: {n_params:,} parameters")
+    log(f"{type(model).__name__} {cfg.model_size}: {n_params:,} parameters")
     seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
     # [FSDP] The flags as the wrap's arguments: hybrid shards over 2 rows of world/2 ranks, none over 1 (NO_SHARD);
     # --shard-units blocks: a unit per block (the model's own), model: the root alone (fewest collectives)

@@ -127,9 +127,9 @@ def train(cfg: Config, env: DistEnv) -> None:
 
     # ---- model: build the whole model on every rank (the same initial weights as DDP for the same
     # seed), cut it, and keep only this rank's stages.
-    model = build_model(size=cfg.model_size, seed=cfg.seed, dropout=cfg.dropout, **data.shape)
+    model = build_model(**cfg.model_kwargs(), **data.shape)
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"BabyCNN {cfg.model_size}: {n_params:,} parameters")
+    log(f"{type(model).__name__} {cfg.model_size}: {n_params:,} parameters")
     # [PP] The cut, the first layer of each stage (common/model_sizes.py: baby's table, stages of equal cost for the
     # larger sizes; never after a view, which the zero-bubble schedules refuse as a stage's output)
     pieces = split_model(model, layout.stage_starts)

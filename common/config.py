@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from common.errors import ConfigError
 
 DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10")
+DATASET_SIDES = {"digits": 28, "mnist": 28, "fashion-mnist": 28, "cifar10": 32}  # the images' side in pixels
 # --model-size: (width of the classifier's hidden layers, how many); common/model_sizes.py has what each holds
 MODEL_SIZES = {
     "baby": (128, 1),  # 1.27 M parameters: the suite's BabyCNN, the default
@@ -22,19 +23,38 @@ MODEL_SIZES = {
     "large": (8192, 8),  # 546 M: DDP's 8.7 GB per rank does not fit 4 processes in 24 GiB; FSDP's 2.2 GB does
     "7b": (16384, 27),  # 7.1 B: for planning on GPUs (the textbook's 7 B)
 }
+# --model vit --model-size: (patch, width, depth, heads, MLP width). The first four train on the 28 x 28 images here
+# (16 tokens); the published shapes (ViT-Ti/16 ... ViT-22B) are planned at 224 x 224 with 1,000 classes.
+VIT_SIZES = {
+    "baby": (7, 64, 6, 4, 256),  # 0.3 M parameters, the default
+    "small": (7, 256, 8, 8, 1024),  # 6.3 M
+    "medium": (7, 1024, 16, 16, 4096),  # 202 M: DDP's training state, 3.2 GB per rank, fits 4 CPU processes
+    "large": (7, 2048, 24, 16, 8192),  # 1.2 B: DDP's 19 GB per rank does not fit; FSDP's 4.8 GB on 4 ranks does
+    "ti16": (16, 192, 12, 3, 768),
+    "s16": (16, 384, 12, 6, 1536),
+    "b16": (16, 768, 12, 12, 3072),
+    "l16": (16, 1024, 24, 16, 4096),
+    "h14": (14, 1280, 32, 16, 5120),
+    "g14": (14, 1408, 40, 16, 6144),
+    "22b": (14, 6144, 48, 48, 24576),
+}
+MODELS = {"cnn": MODEL_SIZES, "vit": VIT_SIZES}  # --model -> its sizes
+# What each model trains with unless told otherwise: the ViT needs more passes and a decaying rate to reach the
+# CNN's accuracy on the digits (docs/transformer.md)
+MODEL_DEFAULTS = {"cnn": {"epochs": 2, "lr_schedule": "constant"}, "vit": {"epochs": 8, "lr_schedule": "cosine"}}
 OPTIMIZERS = ("sgd", "adamw")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 SHARDINGS = ("full", "grad-op", "hybrid", "none")
 SHARD_UNITS = ("model", "blocks")
-LR_SCHEDULES = ("constant", "cosine", "linear")
+LR_SCHEDULES = ("auto", "constant", "cosine", "linear")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
 STRATEGIES = ("ddp", "fsdp", "pippy", "tp")
 ALLREDUCES = ("builtin", "ring")
 PREEMPT_SIGNALS = ("USR1", "USR2")  # SIGTERM is always one; SIGINT (Ctrl-C) stops at once, without a checkpoint
 CHOICES = {  # flag -> (what it names, its values)
     "dataset": ("data set", DATASETS),
-    "model_size": ("model size", MODEL_SIZES),
+    "model": ("model", MODELS),
     "optimizer": ("optimizer", OPTIMIZERS),
     "precision": ("precision", PRECISIONS),
     "device": ("device", DEVICES),
@@ -47,10 +67,13 @@ CHOICES = {  # flag -> (what it names, its values)
 }
 # Counts that must be at least 1, and those where 0 means something of its own (said in the error)
 AT_LEAST_ONE = (
-    *("train_size", "test_size", "epochs", "batch_size", "grad_accum_steps", "log_every", "timeout_s"),
+    *("train_size", "test_size", "batch_size", "grad_accum_steps", "log_every", "timeout_s"),
     *("n_microbatches", "stages_per_rank", "dp", "loss_scale_growth_interval"),
 )
 ZERO_MEANS = {
+    "epochs": "the model's own",
+    "patch_size": "the size's own",
+    "heads": "the size's own",
     "max_steps": "no limit",
     "warmup_steps": "none",
     "eval_every": "only at the end",
@@ -73,13 +96,22 @@ class Config:
     """Number of test images of the built-in digits data set."""
 
     # --- model ---
+    model: str = "cnn"
+    """cnn (BabyCNN: two convolutions and a classifier) or vit (BabyViT: a Vision Transformer, blocks of attention
+    and MLP): docs/transformer.md."""
     model_size: str = "baby"
-    """BabyCNN's size: baby (1.3 M parameters), small (13 M), medium (155 M), large (546 M) or 7b (7.1 B): the same
-    convolutions, a classifier of more and wider layers (python -m planner says what each needs per rank)."""
+    """The model's size. cnn: baby (1.3 M parameters), small (13 M), medium (155 M), large (546 M), 7b (7.1 B). vit:
+    baby (0.3 M), small (6 M), medium (202 M), large (1.2 B); ti16, s16, b16, l16, h14, g14, 22b, the published
+    ViTs, for python -m planner (it says what each needs per rank)."""
+    patch_size: int = 0
+    """vit: the patch's side in pixels (0: the size's own); it must divide the images' side."""
+    heads: int = 0
+    """vit: attention heads per block (0: the size's own); they must divide the width."""
 
     # --- schedule ---
-    epochs: int = 2
-    """Passes over the training set (the run stops earlier if --max-steps is reached)."""
+    epochs: int = 0
+    """Passes over the training set (0: the model's own: 2 for cnn, 8 for vit; the run stops earlier at
+    --max-steps)."""
     max_steps: int = 0
     """Stop after this many optimizer steps (0: no limit, run --epochs)."""
     batch_size: int = 128
@@ -96,8 +128,9 @@ class Config:
     """Weight decay (decoupled for adamw, L2 for sgd)."""
     warmup_steps: int = 20
     """Linear learning-rate warm-up from lr/warmup_steps to lr over this many steps (0: none)."""
-    lr_schedule: str = "constant"
-    """After warm-up: constant (keep --lr), or cosine / linear decay from --lr to --min-lr at the last step."""
+    lr_schedule: str = "auto"
+    """After warm-up: constant (keep --lr), or cosine / linear decay from --lr to --min-lr at the last step (auto: the
+    model's own: constant for cnn, cosine for vit)."""
     min_lr: float = 0.0
     """Learning rate at the run's last step with --lr-schedule cosine or linear."""
     max_grad_norm: float = 0.0
@@ -106,7 +139,7 @@ class Config:
     """torch.compile the model (DDP: the wrapped model; FSDP: before sharding, a graph per unit; pipeline: each stage;
     TP: after the split, with static shapes)."""
     dropout: float = 0.1
-    """Dropout probability in the classifier (0 makes runs comparable step by step across strategies)."""
+    """Dropout probability (cnn: in the classifier; vit: in each MLP); 0 makes runs comparable step by step."""
     seed: int = 0
     """Seed for the data set, the shuffling and the initial weights: the same seed gives the same run."""
     precision: str = "fp32"
@@ -180,6 +213,11 @@ class Config:
 
     strategy: str = dataclasses.field(default="ddp", metadata={"cli": False})
 
+    def __post_init__(self) -> None:  # what the model trains with unless told otherwise
+        defaults = MODEL_DEFAULTS.get(self.model, MODEL_DEFAULTS["cnn"])
+        self.epochs = self.epochs or defaults["epochs"]
+        self.lr_schedule = defaults["lr_schedule"] if self.lr_schedule == "auto" else self.lr_schedule
+
     # ------------------------------------------------------------------ checks
     def check(self, *, world_size: int | None = None, device_type: str | None = None) -> "Config":
         """Raise ConfigError for the first bad value; `world_size` adds the checks that depend on it, and
@@ -192,6 +230,7 @@ class Config:
         for name, (what, choices) in CHOICES.items():
             value = getattr(self, name)
             need(value in choices, name, f"unknown {what} {value!r}; choose one of {', '.join(choices)}")
+        self.check_model()
         for name in AT_LEAST_ONE:
             need(getattr(self, name) >= 1, name, f"must be at least 1, got {getattr(self, name)}")
         for name, zero in ZERO_MEANS.items():
@@ -216,6 +255,40 @@ class Config:
         if world_size is not None:
             self.check_world_size(world_size)
         return self
+
+    def check_model(self) -> None:
+        """The size exists for the model, its flags are the model's, and the images split into its patches."""
+        sizes = MODELS[self.model]
+        if self.model_size not in sizes:
+            raise ConfigError(
+                f"--model-size: unknown {self.model} size {self.model_size!r}; choose one of {', '.join(sizes)}"
+            )
+        if self.model == "cnn" and (self.patch_size or self.heads):
+            flag = "--patch-size" if self.patch_size else "--heads"
+            raise ConfigError(f"{flag}: a flag of the ViT (--model vit); BabyCNN has no patches or heads: drop it")
+        if self.model == "vit":
+            patch, width, _, heads, _ = self.vit_shape()
+            side = DATASET_SIDES[self.dataset]
+            if side % patch:
+                fits = ", ".join(str(p) for p in range(2, side) if side % p == 0)
+                raise ConfigError(
+                    f"--patch-size: {patch} does not divide the {self.dataset} images' {side} pixels (--model-size "
+                    f"{self.model_size}); use --patch-size {fits}, or a size that trains here (baby, small, medium, "
+                    f"large; the published ones are for python -m planner)"
+                )
+            if width % heads:
+                fits = ", ".join(str(h) for h in range(1, width + 1) if width % h == 0 and h <= 64)
+                raise ConfigError(f"--heads: {heads} heads do not divide the width {width}; use one of {fits}")
+
+    def vit_shape(self) -> tuple[int, int, int, int, int]:
+        """(patch, width, depth, heads, MLP width) of --model vit at --model-size, with --patch-size and --heads."""
+        patch, width, depth, heads, mlp = VIT_SIZES[self.model_size]
+        return self.patch_size or patch, width, depth, self.heads or heads, mlp
+
+    def model_kwargs(self) -> dict[str, object]:
+        """build_model's arguments from the flags (the data set gives the images' shape)."""
+        vit = {"patch_size": self.patch_size, "heads": self.heads} if self.model == "vit" else {}
+        return {"model": self.model, "size": self.model_size, "seed": self.seed, "dropout": self.dropout, **vit}
 
     def check_observability(self, *, on_cpu: bool) -> None:
         a, _, b = self.profile_steps.partition(":")

@@ -1,17 +1,22 @@
-"""BabyCNN, the model every strategy trains, and how it is split: its blocks (FSDP's units) and its tensor-parallel
-plan, which the scripts hand to their wraps (each size in numbers, and the pipeline's cut: common/model_sizes.py).
-An `nn.Sequential` of named layers: a parameter has one name (`fc1.bias`) whole, wrapped or in a pipeline stage,
-so one strategy's checkpoint loads into another."""
+"""The models every strategy trains, BabyCNN here and BabyViT in common/vit.py (--model vit), and how each is split:
+its blocks (FSDP's units) and its tensor-parallel plan, which the scripts hand to their wraps (each size in numbers,
+and the pipeline's cut: common/model_sizes.py). Each is an `nn.Sequential` of named layers: a parameter has one name
+(`fc1.bias`, `block2.attn.q.weight`) whole, wrapped or in a pipeline stage, so one strategy's checkpoint loads into
+another."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from common.config import MODEL_SIZES
+
+if TYPE_CHECKING:
+    from common.vit import BabyViT
 
 
 class BabyCNN(nn.Sequential):
@@ -66,13 +71,12 @@ class BabyCNN(nn.Sequential):
         return {name: style() for pair in pairs for name, style in zip(pair, (ColwiseParallel, RowwiseParallel))}
 
 
-def build_model(
-    *, size: str = "baby", seed: int, in_channels: int, image_size: int, num_classes: int, dropout: float
-) -> BabyCNN:
-    """BabyCNN whose initial weights are a function of `seed` and the size alone, the same on every rank and in
-    every strategy: built on the CPU under a private RNG (move it to the device afterwards)."""
+def build_model(*, model: str = "cnn", seed: int, **kwargs: object) -> BabyCNN | BabyViT:
+    """BabyCNN or BabyViT (`model`) whose initial weights are a function of `seed` and the size alone, the same on
+    every rank and in every strategy: built on the CPU under a private RNG (move it to the device afterwards).
+    `kwargs`: the model's (size, in_channels, image_size, num_classes, dropout; the ViT's patch_size and heads)."""
+    if model == "vit":
+        from common.vit import BabyViT  # only with --model vit: a CNN run does not carry the transformer
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return BabyCNN(
-            size=size, in_channels=in_channels, image_size=image_size, num_classes=num_classes, dropout=dropout
-        )
+        return (BabyViT if model == "vit" else BabyCNN)(**kwargs)

@@ -1,21 +1,27 @@
-"""BabyCNN's sizes, as numbers: the layers of each `--model-size`, their parameters and FLOPs, and where a pipeline
-cuts them into stages of equal cost. No torch here, so the preflight can tell whether a run fits in memory, and
-the flag checks how many stages a size allows, before torchrun starts; common/model.py builds the layers.
+"""The models' sizes as numbers: the layers of each `--model` and `--model-size`, their parameters and FLOPs, and
+where a pipeline cuts them into stages of equal cost. No torch here, so the runners can tell before torchrun
+starts whether a run fits in memory and how many stages a size allows; common/model.py builds the layers.
 
-Every size keeps the two convolutions and grows the classifier: a first layer from the features to `width`,
-then `depth - 1` equal hidden layers of `width` x `width`, then the output layer. FSDP has a unit per layer to
-shard, and the pipeline can cut between any two of them.
+BabyCNN keeps its two convolutions at every size and grows the classifier (a first layer from the features to
+`width`, `depth - 1` hidden layers of `width` x `width`, the output layer); BabyViT is a patch embedding, blocks
+of attention and MLP, and a head. A pipeline cuts BabyCNN between layers, BabyViT between blocks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import MODEL_SIZES
+from common.config import MODEL_SIZES, VIT_SIZES
 from common.errors import ConfigError
 
 # The input each data set gives the model: channels, image side, classes.
 DATASET_SHAPES = {"digits": (1, 28, 10), "mnist": (1, 28, 10), "fashion-mnist": (1, 28, 10), "cifar10": (3, 32, 10)}
+PUBLISHED = ("ti16", "s16", "b16", "l16", "h14", "g14", "22b")  # the ViTs planned at 224 x 224, 1,000 classes
+
+
+def input_shape(model: str, size: str, dataset: str = "digits") -> tuple[int, int, int]:
+    """(channels, image side, classes) the model is built for: the data set's, or the published ViTs' ImageNet."""
+    return (3, 224, 1000) if model == "vit" and size in PUBLISHED else DATASET_SHAPES[dataset]
 
 
 @dataclass(frozen=True)
@@ -26,8 +32,10 @@ class Layer:
     outputs: int  # output values per sample (0 for flatten, a view)
 
 
-def layers(size: str, dataset: str = "digits") -> list[Layer]:
-    """Every layer of BabyCNN at `size` for `dataset`'s images, in order (common/model.py builds the same)."""
+def layers(size: str, dataset: str = "digits", model: str = "cnn") -> list[Layer]:
+    """Every layer of the model at `size` for `dataset`'s images, in order (common/model.py builds the same)."""
+    if model == "vit":
+        return vit_layers(size, dataset)
     width, _ = MODEL_SIZES[size]
     channels, side, classes = DATASET_SHAPES[dataset]
     conv = side - 4  # two 3x3 convolutions without padding
@@ -50,8 +58,29 @@ def layers(size: str, dataset: str = "digits") -> list[Layer]:
     return [*out, Layer("fc2", width * classes + classes, 2 * width * classes, classes)]
 
 
-def parameter_count(size: str, dataset: str = "digits") -> int:
-    return sum(layer.params for layer in layers(size, dataset))
+def vit_layers(size: str, dataset: str = "digits") -> list[Layer]:
+    """BabyViT's layers: the patch embedding (a strided convolution and a learned position per token), the blocks
+    (LayerNorm, attention with q, k, v and an output projection, LayerNorm, MLP; each with its residual) and the
+    head (LayerNorm, the tokens' mean, a linear layer). `outputs`: the values a block keeps for backward, about."""
+    patch, width, depth, heads, mlp = VIT_SIZES[size]
+    channels, side, classes = input_shape("vit", size, dataset)
+    tokens = (side // patch) ** 2
+    embed = Layer(
+        "embed",
+        channels * patch * patch * width + width + tokens * width,
+        2 * tokens * channels * patch * patch * width,
+        tokens * width,
+    )
+    block_params = 4 * (width * width + width) + 4 * width + 2 * width * mlp + mlp + width
+    block_flops = 2 * tokens * (4 * width * width + 2 * width * mlp) + 4 * tokens * tokens * width
+    kept = tokens * (7 * width + 2 * mlp) + heads * tokens * tokens  # LayerNorms, q k v, attention, MLP, residuals
+    block = [Layer(f"block{i}", block_params, block_flops, kept) for i in range(depth)]
+    head = Layer("head", 2 * width + width * classes + classes, 2 * width * classes, tokens * width + classes)
+    return [embed, *block, head]
+
+
+def parameter_count(size: str, dataset: str = "digits", model: str = "cnn") -> int:
+    return sum(layer.params for layer in layers(size, dataset, model))
 
 
 def tp_pairs(size: str) -> list[tuple[str, str]]:
@@ -81,9 +110,12 @@ def tp_layer_params(size: str, tp: int, dataset: str = "digits") -> dict[str, fl
     return {layer.name: layer.params - split.get(layer.name, 0) * (1 - 1 / tp) for layer in layers(size, dataset)}
 
 
-def blocks(size: str) -> list[list[str]]:
-    """The layers of each of BabyCNN's blocks, FSDP's units (`BabyCNN.blocks` groups the built layers the same way):
-    the features, then the classifier, whole for baby, a layer at a time for the larger sizes (fc2 with the last)."""
+def blocks(size: str, model: str = "cnn") -> list[list[str]]:
+    """The layers of each of the model's blocks, FSDP's units (`blocks()` of the built model groups the same):
+    BabyCNN's features, then its classifier, whole for baby, a layer at a time for the larger sizes (fc2 with the
+    last); BabyViT's blocks, each alone (the embedding and the head stay with the root)."""
+    if model == "vit":
+        return [[f"block{i}"] for i in range(VIT_SIZES[size][2])]
     names = [layer.name for layer in layers(size)]
     starts = [0, names.index("flatten"), *(i for i, name in enumerate(names) if name.startswith("hidden"))]
     return [names[a:b] for a, b in zip(starts, [*starts[1:], len(names)])]
@@ -125,12 +157,16 @@ BABY_STAGE_STARTS: dict[int, tuple[str, ...]] = {
 }
 
 
-def _groups(size: str, dataset: str) -> list[list[Layer]]:
-    """The layers in runs that a cut may not split: a cut only ever falls before `flatten` or a layer with
-    parameters (the others go with the layer before them), and never before the layers in _NEVER_STARTS."""
+def _groups(size: str, dataset: str, model: str = "cnn") -> list[list[Layer]]:
+    """The layers in runs that a cut may not split. BabyCNN: a cut only ever falls before `flatten` or a layer with
+    parameters (the others go with the layer before them), and never before the layers in _NEVER_STARTS. BabyViT:
+    between blocks, the embedding with the first, the head with the last."""
     groups: list[list[Layer]] = []
-    for layer in layers(size, dataset):
-        opens = layer.name == "flatten" or (layer.params > 0 and layer.name not in _NEVER_STARTS)
+    for layer in layers(size, dataset, model):
+        if model == "vit":
+            opens = layer.name.startswith("block") and layer.name != "block0"
+        else:
+            opens = layer.name == "flatten" or (layer.params > 0 and layer.name not in _NEVER_STARTS)
         if opens or not groups:
             groups.append([layer])
         else:
@@ -138,19 +174,21 @@ def _groups(size: str, dataset: str) -> list[list[Layer]]:
     return groups
 
 
-def max_stages(size: str) -> int:
-    """How many stages BabyCNN at `size` can be cut into."""
+def max_stages(size: str, model: str = "cnn") -> int:
+    """How many stages the model at `size` can be cut into (BabyViT: its blocks)."""
+    if model == "vit":
+        return VIT_SIZES[size][2]
     return max(BABY_STAGE_STARTS) if size == "baby" else len(_groups(size, "digits"))
 
 
-def stage_starts(size: str, n_stages: int, dataset: str = "digits") -> tuple[str, ...]:
-    """The first layer of each of `n_stages` stages. Sizes other than baby: the cut that makes the costliest stage
-    cheapest, with a layer's cost its forward and backward FLOPs (backward ~ twice forward)."""
-    if not 1 <= n_stages <= max_stages(size):
-        raise ValueError(f"BabyCNN ({size}) can be cut into 1 to {max_stages(size)} stages, not {n_stages}")
-    if size == "baby":
+def stage_starts(size: str, n_stages: int, dataset: str = "digits", model: str = "cnn") -> tuple[str, ...]:
+    """The first layer of each of `n_stages` stages. BabyCNN baby: its table; the others: the cut that makes the
+    costliest stage cheapest, with a layer's cost its forward and backward FLOPs (backward ~ twice forward)."""
+    if not 1 <= n_stages <= max_stages(size, model):
+        raise ValueError(f"{model} {size} can be cut into 1 to {max_stages(size, model)} stages, not {n_stages}")
+    if size == "baby" and model == "cnn":
         return BABY_STAGE_STARTS[n_stages]
-    groups = _groups(size, dataset)
+    groups = _groups(size, dataset, model)
     costs = [3 * sum(layer.flops for layer in group) for group in groups]
     # best[k][i]: the smallest possible cost of the costliest stage when groups[:i] form k stages
     inf = float("inf")

@@ -29,6 +29,7 @@ class PipelineLayout:
     n_microbatches: int
     model_size: str = "baby"
     dataset: str = "digits"  # the input's shape moves the balanced cut of the larger sizes
+    model: str = "cnn"
 
     @classmethod
     def of(cls, cfg: Config, world_size: int) -> PipelineLayout:
@@ -40,6 +41,7 @@ class PipelineLayout:
             cfg.n_microbatches,
             cfg.model_size,
             cfg.dataset,
+            cfg.model,
         )
 
     @property
@@ -49,7 +51,7 @@ class PipelineLayout:
     @property
     def stage_starts(self) -> tuple[str, ...]:
         """The first layer of each stage."""
-        return stage_starts(self.model_size, self.n_stages, self.dataset)
+        return stage_starts(self.model_size, self.n_stages, self.dataset, self.model)
 
     def stages_of(self, pp_rank: int) -> list[int]:
         """The stages pipeline rank `pp_rank` holds. Looped placement (the default): rank r holds r, r + p,
@@ -108,10 +110,10 @@ class PipelineLayout:
                 f"which a compiled stage (one fused backward graph) cannot run; use 1f1b, gpipe, interleaved-1f1b "
                 f"or looped-bfs, or drop --compile"
             )
-        if n_stages > max_stages(self.model_size):
+        if n_stages > (most := max_stages(self.model_size, self.model)):
             raise ConfigError(
                 f"--stages-per-rank: {self.pp_size} pipeline ranks x {v} stages per rank = {n_stages} stages, "
-                f"but BabyCNN ({self.model_size}) can be cut into at most {max_stages(self.model_size)}; use fewer "
+                f"but {self.model} {self.model_size} can be cut into at most {most}; use fewer "
                 f"stages per rank, a larger --dp or fewer processes"
             )
         if chunk_size % m:

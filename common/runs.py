@@ -16,7 +16,8 @@ from common.errors import ConfigError
 TRAJECTORY = (
     *("dataset", "train_size", "test_size", "seed", "batch_size"),  # which samples, in which order
     *("optimizer", "lr", "weight_decay", "warmup_steps", "lr_schedule", "min_lr", "max_grad_norm"),  # the update
-    *("model_size", "dropout", "precision", "loss_scale", "loss_scale_growth_interval"),  # the model, its arithmetic
+    *("model", "model_size", "patch_size", "heads", "dropout"),  # the model
+    *("precision", "loss_scale", "loss_scale_growth_interval"),  # its arithmetic
 )
 # Settings a resume may change, said once: the layout (a DCP checkpoint loads into any), the length (a decaying
 # --lr-schedule re-timed from here on), the cadences, and what is observed (--compile: kernels, not arithmetic).

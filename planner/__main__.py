@@ -19,9 +19,9 @@ import sys
 import time
 from typing import Sequence
 
-from common.config import MODEL_SIZES, OPTIMIZERS, Config
+from common.config import MODELS, OPTIMIZERS, Config
 from common.errors import fail
-from planner.plan import ALL_VARIANTS, DEFAULT_VARIANTS, Plan, plan
+from planner.plan import ALL_VARIANTS, DEFAULT_VARIANTS, VIT_VARIANTS, Plan, plan
 from planner.report import draw, fitting, table
 
 UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
@@ -37,7 +37,10 @@ def parse_bytes(text: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m planner", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-size", default="large", choices=MODEL_SIZES, help="BabyCNN's size (--model-size)")
+    parser.add_argument("--model", default="cnn", choices=MODELS, help="cnn (BabyCNN) or vit (BabyViT): --model")
+    parser.add_argument(
+        "--model-size", default="large", help="the model's size (--model-size); the published ViTs at 224 x 224"
+    )
     parser.add_argument("--world-sizes", default="1,4,64,1024", help="comma-separated numbers of ranks")
     parser.add_argument("--all", action="store_true", help="every FSDP mode and the GPipe schedule too")
     parser.add_argument("--per-rank-batch", type=int, default=32, help="samples per rank per step (the suite's: 32)")
@@ -46,6 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", help="also write every plan here")
     parser.add_argument("--out", help="also draw the plans into this PNG")
     args = parser.parse_args(argv)
+    if args.model_size not in (sizes := MODELS[args.model]):
+        fail(f"--model-size: unknown {args.model} size {args.model_size!r}; choose one of {', '.join(sizes)}")
     try:
         world_sizes = [int(n) for n in args.world_sizes.split(",")]
         assert all(n >= 1 for n in world_sizes)
@@ -54,13 +59,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     memory = parse_bytes(args.device_memory) if args.device_memory else None
     started = time.perf_counter()
     plans: list[Plan] = []
-    for variant in ALL_VARIANTS if args.all else DEFAULT_VARIANTS:
+    variants = VIT_VARIANTS if args.model == "vit" else ALL_VARIANTS if args.all else DEFAULT_VARIANTS
+    for variant in variants:
         for n in world_sizes:
-            base = Config(model_size=args.model_size, optimizer=args.optimizer, batch_size=args.per_rank_batch * n)
+            batch = args.per_rank_batch * n
+            base = Config(model=args.model, model_size=args.model_size, optimizer=args.optimizer, batch_size=batch)
             print(f"planning {variant} on {n} ranks", file=sys.stderr, flush=True)
             if result := plan(variant, base, n):
                 plans.append(result)
-    print(table(plans, args.model_size, memory=memory))
+    print(table(plans, args.model, args.model_size, memory=memory))
     if memory:
         print(fitting(plans, memory, per_rank_batch=args.per_rank_batch))
     print(f"({len(plans)} plans in {time.perf_counter() - started:.0f} s)")
@@ -68,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump([p.to_json() for p in plans], f, indent=1)
     if args.out:
-        draw(plans, args.out, args.model_size, memory=memory)
+        draw(plans, args.out, memory=memory)
         print(f"figure: {args.out}")
     return 0
 

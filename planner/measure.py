@@ -28,7 +28,7 @@ from common.config import Config
 from common.distributed import DistEnv
 from common.memory_peak import PeakBytes, state_tensors
 from common.model import build_model
-from common.model_sizes import DATASET_SHAPES
+from common.model_sizes import input_shape
 from common.recorder import measure_memory
 from common.training import build_optimizer
 
@@ -66,7 +66,7 @@ def _batch(cfg: Config, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     normalised on the device), so that it counts where theirs does, inside the step."""
     from common.data import NORMALISATION, DataSet, Split, to_device_batch
 
-    channels, side, classes = DATASET_SHAPES[cfg.dataset]
+    channels, side, classes = input_shape(cfg.model, cfg.model_size, cfg.dataset)
     split = Split(torch.zeros(n, channels, side, side, dtype=torch.uint8), torch.zeros(n, dtype=torch.int64))
     data = DataSet(cfg.dataset, split, split, classes, *NORMALISATION[cfg.dataset])
     return to_device_batch(split, torch.arange(n), data, torch.device("cpu"))
@@ -82,10 +82,9 @@ def _warm(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer | N
 
 
 def _model(cfg: Config):
-    channels, side, classes = DATASET_SHAPES[cfg.dataset]
-    return build_model(
-        size=cfg.model_size, seed=cfg.seed, in_channels=channels, image_size=side, num_classes=classes, dropout=0.0
-    )
+    channels, side, classes = input_shape(cfg.model, cfg.model_size, cfg.dataset)
+    kwargs = {**cfg.model_kwargs(), "dropout": 0.0}
+    return build_model(**kwargs, in_channels=channels, image_size=side, num_classes=classes)
 
 
 def plan_rank(cfg: Config, world_size: int, rank: int) -> RankMemory:

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from common.config import Config
-from common.model_sizes import layers, max_stages, parameter_count, tp_fsdp_units
+from common.model_sizes import blocks, layers, max_stages, parameter_count, tp_fsdp_units
 from planner.measure import RankMemory, plan_rank
 from planner.predict import state_bytes_theory, tp_state_bytes_theory
 
@@ -19,6 +19,8 @@ ALL_VARIANTS = (
     "fsdp none",
     "pipeline gpipe",
 )
+# The ViT's: a unit per block, with and without each block checkpointed (FSDP x TP plans BabyCNN only, for now)
+VIT_VARIANTS = ("ddp", "fsdp full, a unit per layer", "fsdp full, a unit per layer, checkpointed", "pipeline 1f1b")
 
 
 @dataclass
@@ -33,6 +35,7 @@ class Plan:
     ranks: list[RankMemory] = field(default_factory=list)
     textbook_state_bytes: float = 0.0  # 16 bytes per parameter (AdamW, fp32), divided by the ranks sharing it
     unit_bytes: int = 0  # FSDP: the largest unit's parameters and gradients held whole while it runs
+    model: str = "cnn"
 
     @property
     def worst(self) -> RankMemory:
@@ -46,17 +49,23 @@ def variant_config(variant: str, base: Config, world_size: int) -> Config | None
     """The Config of `variant` at `world_size`, or None where it cannot run (hybrid on an odd world, a pipeline
     whose ranks do not divide the world, TP on an odd one)."""
     if variant == "fsdp x tp":  # TP over up to 8 ranks (its all-reduces want one machine's links), FSDP across
+        if base.model == "vit":
+            return None
         tp = max(t for t in (1, 2, 4, 8) if world_size % t == 0)
         return replace(base, strategy="tp", dp=world_size // tp) if tp > 1 or world_size == 1 else None
     name, _, units = variant.partition(", ")
     strategy, _, mode = name.partition(" ")
+    units, _, checkpointed = units.partition(", ")
+    base = replace(base, activation_checkpointing=checkpointed == "checkpointed")
     if strategy == "ddp":
         return replace(base, strategy="ddp")
     if strategy == "fsdp":
         if mode == "hybrid" and world_size % 2:
             return None
         return replace(base, strategy="fsdp", sharding=mode, shard_units="model" if units == "one unit" else "blocks")
-    pp = min(4, world_size, max_stages(base.model_size))  # a pipeline of up to 4 ranks, the replicas around it
+    pp = min(
+        4, world_size, max_stages(base.model_size, base.model)
+    )  # a pipeline of up to 4 ranks, the replicas around it
     if world_size % pp:
         return None
     return replace(base, strategy="pippy", schedule=mode, dp=world_size // pp, n_microbatches=max(4, pp))
@@ -80,14 +89,15 @@ def textbook(cfg: Config, world_size: int) -> float:
     shards = {"ddp": 1, "pippy": world_size}.get(cfg.strategy)
     if shards is None:  # FSDP: the ranks one parameter is split over
         shards = {"full": world_size, "grad-op": world_size, "hybrid": world_size // 2, "none": 1}[cfg.sharding]
-    theory = state_bytes_theory(parameter_count(cfg.model_size, cfg.dataset), shards=shards, optimizer=cfg.optimizer)
+    params = parameter_count(cfg.model_size, cfg.dataset, cfg.model)
+    theory = state_bytes_theory(params, shards=shards, optimizer=cfg.optimizer)
     return theory["param_bytes"] + theory["grad_bytes"] + theory["optim_bytes"]
 
 
 def unit_bytes(cfg: Config, world_size: int) -> int:
     """The parameters and gradients of the largest unit FSDP gathers whole (fp32) while it runs: an FSDP unit, or
     a pipeline stage sharded over its replicas (--dp)."""
-    params = {layer.name: layer.params for layer in layers(cfg.model_size, cfg.dataset)}
+    params = {layer.name: layer.params for layer in layers(cfg.model_size, cfg.dataset, cfg.model)}
     if cfg.strategy == "pippy":
         if cfg.dp == 1:
             return 0
@@ -102,10 +112,8 @@ def unit_bytes(cfg: Config, world_size: int) -> int:
         return 0
     if cfg.shard_units == "model":
         largest = sum(params.values())
-    else:  # the features, fc1, each hidden layer (the last with fc2): as train_fsdp.fsdp_units cuts them
-        names = list(params)
-        cuts = [0, names.index("flatten"), *(i for i, n in enumerate(names) if n.startswith("hidden")), len(names)]
-        largest = max(sum(params[n] for n in names[a:b]) for a, b in zip(cuts, cuts[1:]))
+    else:  # a unit per block of the model (common/model_sizes.py: blocks)
+        largest = max(sum(params[n] for n in block) for block in blocks(cfg.model_size, cfg.model))
     return 2 * 4 * largest
 
 
@@ -122,6 +130,7 @@ def plan(variant: str, base: Config, world_size: int) -> Plan | None:
         flags,
         textbook_state_bytes=textbook(cfg, world_size),
         unit_bytes=unit_bytes(cfg, world_size),
+        model=cfg.model,
     )
     result.ranks = [plan_rank(cfg, world_size, rank) for rank in ranks_to_measure(cfg, world_size)]
     return result

@@ -18,7 +18,7 @@ from torch import nn
 
 from common.config import Config
 from common.model import build_model
-from common.model_sizes import DATASET_SHAPES, parameter_count, tp_layer_params, tp_pairs, tp_split_params
+from common.model_sizes import input_shape, parameter_count, tp_layer_params, tp_pairs, tp_split_params
 from common.pipeline import split_model
 from common.pipeline_layout import PipelineLayout
 
@@ -62,11 +62,14 @@ def total_bytes(traffic: Traffic) -> float:
 
 def _model(cfg: Config) -> nn.Module:
     """The run's model on the meta device: shapes, no memory (a 7 B model costs nothing)."""
-    channels, side, classes = DATASET_SHAPES[cfg.dataset]
+    channels, side, classes = input_shape(cfg.model, cfg.model_size, cfg.dataset)
     with torch.device("meta"):
-        return build_model(
-            size=cfg.model_size, seed=0, in_channels=channels, image_size=side, num_classes=classes, dropout=0.0
-        )
+        return build_model(**cfg.model_kwargs(), in_channels=channels, image_size=side, num_classes=classes)
+
+
+def _params(unit: nn.Module | list[nn.Module]) -> list[nn.Parameter]:
+    """A unit's parameters: a block's, or those of a list of layers sharded together."""
+    return list(unit.parameters()) if isinstance(unit, nn.Module) else [p for layer in unit for p in layer.parameters()]
 
 
 def _itemsize(cfg: Config) -> int:
@@ -97,8 +100,8 @@ def _fsdp_traffic(model: nn.Module, cfg: Config, world_size: int) -> Traffic:
     replicas = {"full": 1, "grad-op": 1, "hybrid": 2, "none": world_size}[cfg.sharding]
     shard = world_size // replicas
     blocks = model.blocks() if cfg.shard_units == "blocks" else []
-    in_blocks = {id(p) for layers in blocks for layer in layers for p in layer.parameters()}
-    units = [[p for layer in layers for p in layer.parameters()] for layers in blocks]
+    in_blocks = {id(p) for unit in blocks for p in _params(unit)}
+    units = [_params(unit) for unit in blocks]
     units.append([p for p in model.parameters() if id(p) not in in_blocks])  # the root: what no block holds
     gather_itemsize = 2 if cfg.precision in ("bf16", "fp16") else 4  # (reduced in fp32 either way)
     found: Traffic = {}
@@ -141,7 +144,7 @@ def _tp_traffic(model: nn.Module, cfg: Config, world_size: int) -> Traffic:
             return padded_shard(tuple(shape), cfg.dp)
 
         for unit in model.blocks():
-            elements = cfg.dp * sum(shard(p) for layer in unit for p in layer.parameters())
+            elements = cfg.dp * sum(shard(p) for p in _params(unit))
             add(found, "all_gather", elements=elements, itemsize=4, ranks=cfg.dp, times=2 * steps)
             add(found, "reduce_scatter", elements=elements, itemsize=4, ranks=cfg.dp)
     return found
@@ -156,7 +159,7 @@ def _pipeline_traffic(model: nn.Module, cfg: Config, world_size: int, rank: int)
     pieces = split_model(model, layout.stage_starts)
     micro_batch = cfg.chunk_size(world_size) // cfg.n_microbatches
     times = cfg.n_microbatches * cfg.grad_accum_steps
-    channels, side, _ = DATASET_SHAPES[cfg.dataset]
+    channels, side, _ = input_shape(cfg.model, cfg.model_size, cfg.dataset)
     outputs, x = [], torch.empty(1, channels, side, side, device="meta")
     for piece in pieces:
         x = piece(x)

@@ -32,10 +32,11 @@ def _peak_parts(p: Plan) -> str:
     return "; ".join(said)
 
 
-def table(plans: list[Plan], model_size: str, *, memory: int | None) -> str:
-    n = parameter_count(model_size)
+def table(plans: list[Plan], model: str, model_size: str, *, memory: int | None) -> str:
+    n = parameter_count(model_size, model=model)
+    name = {"cnn": "BabyCNN", "vit": "BabyViT"}[model]
     lines = [
-        f"BabyCNN {model_size}: {n:,} parameters; per rank, the rank that needs the most (AdamW, fp32). "
+        f"{name} {model_size}: {n:,} parameters; per rank, the rank that needs the most (AdamW, fp32). "
         "textbook: 16 bytes per parameter / the ranks sharing it.",
         "",
         "| strategy | ranks | params | grads | optimizer | state | textbook | state - textbook | peak of a step "
@@ -77,7 +78,8 @@ def fitting(plans: list[Plan], memory: int, *, per_rank_batch: int) -> str:
     lines = [f"\nThe largest per-rank batch that fits {size(memory)}:", ""]
     for p in plans:
         w = p.worst
-        base = Config(model_size=p.model_size, optimizer=p.optimizer, batch_size=2 * per_rank_batch * p.world_size)
+        batch = 2 * per_rank_batch * p.world_size
+        base = Config(model=p.model, model_size=p.model_size, optimizer=p.optimizer, batch_size=batch)
         twice = plan_rank(variant_config(p.variant, base, p.world_size), p.world_size, w.rank)
         per_sample = (twice.peak_bytes - w.peak_bytes) / per_rank_batch
         fixed = w.peak_bytes + w.in_flight_bytes - per_sample * per_rank_batch
@@ -89,7 +91,8 @@ def fitting(plans: list[Plan], memory: int, *, per_rank_batch: int) -> str:
     return "\n".join(lines)
 
 
-def draw(plans: list[Plan], out: str, model_size: str, *, memory: int | None) -> None:
+def draw(plans: list[Plan], out: str, *, memory: int | None) -> None:
+    model, model_size = plans[0].model, plans[0].model_size
     import matplotlib
 
     matplotlib.use("Agg")
@@ -105,7 +108,9 @@ def draw(plans: list[Plan], out: str, model_size: str, *, memory: int | None) ->
     if memory:
         ax.axhline(memory / 1e9, color="black", linestyle="--", linewidth=1, label=f"device memory {size(memory)}")
     ax.set(xscale="log", yscale="log", xlabel="ranks", ylabel="GB per rank (the rank that needs the most)")
-    ax.set_title(f"BabyCNN {model_size} ({parameter_count(model_size):,} parameters): memory per rank, planned")
+    name = {"cnn": "BabyCNN", "vit": "BabyViT"}[model]
+    n = parameter_count(model_size, model=model)
+    ax.set_title(f"{name} {model_size} ({n:,} parameters): memory per rank, planned")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

@@ -30,11 +30,15 @@ def planned_peak_bytes(cfg: Config, world_size: int) -> int:
     FSDP x TP gathers a TP rank's part of the model);
     a pipeline rank holds its stages, with as many micro-batches in flight as the ranks after it; and every rank
     the activations of its share of the batch."""
-    model = layers(cfg.model_size, cfg.dataset)
+    model = layers(cfg.model_size, cfg.dataset, cfg.model)
     names = [layer.name for layer in model]
     params = sum(layer.params for layer in model)
     state = 16 if cfg.optimizer == "adamw" else 12
     per_sample = 4 * sum(layer.outputs for layer in model)  # fp32 activations kept for backward
+    if cfg.model == "vit" and cfg.strategy == "fsdp" and cfg.activation_checkpointing:
+        # each block keeps its input (tokens x width, the embedding's output); one block's activations at a time
+        kept = sum(model[0].outputs for layer in model if layer.name.startswith("block"))
+        per_sample = 4 * (kept + max(layer.outputs for layer in model))
     if cfg.strategy == "pippy":
         from common.pipeline_layout import PipelineLayout
 
@@ -63,7 +67,7 @@ def planned_peak_bytes(cfg: Config, world_size: int) -> int:
         return state * params + batch
     shards = world_size // 2 if cfg.sharding == "hybrid" else world_size
     by_layer = {layer.name: layer.params for layer in model}
-    block = max(sum(by_layer[name] for name in names) for names in blocks(cfg.model_size))
+    block = max(sum(by_layer[name] for name in names) for names in blocks(cfg.model_size, cfg.model))
     unit = params if cfg.shard_units == "model" else block
     gathered = 4 * params if cfg.sharding == "grad-op" else 4 * unit
     return state * params // shards + gathered + 4 * unit + batch
@@ -107,7 +111,7 @@ def check_memory(cfg: Config, *, nproc: int, world_size: int, on_cpu: bool) -> N
         have, where, total = gpu_mib(), "a GPU holds", need_mib
     if have is None or total <= have:
         return
-    if cfg.model_size == "baby" and on_cpu:  # the model is nothing: too many processes is the trouble
+    if cfg.model_size == "baby" and on_cpu:  # either baby model is nothing: too many processes is the trouble
         fit = int(have // need_mib)
         raise ConfigError(
             f"NPROC={nproc}: {nproc} CPU processes need ~{total / 1024:.1f} GiB ({need_mib:.0f} MiB each) but "
@@ -118,7 +122,8 @@ def check_memory(cfg: Config, *, nproc: int, world_size: int, on_cpu: bool) -> N
     instead = "use more processes (a smaller share each), a smaller --model-size or a smaller --batch-size"
     if cfg.strategy != "fsdp":  # FSDP with a unit per layer: a share of the state, one layer gathered at a time
         better = replace(cfg, strategy="fsdp", sharding="full", shard_units="blocks")
-        command = f"bash run_fsdp.sh --model-size {cfg.model_size} --shard-units blocks"
+        model = " --model vit" if cfg.model == "vit" else ""
+        command = f"bash run_fsdp.sh{model} --model-size {cfg.model_size} --shard-units blocks"
     else:
         better, command = replace(cfg, shard_units="blocks"), "--shard-units blocks (a layer gathered at a time)"
     mib = planned_peak_bytes(better, world_size) / 2**20 + runtime

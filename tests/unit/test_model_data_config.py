@@ -160,7 +160,7 @@ def test_flags_are_limited_to_their_strategy():
         (["--lr", "-1e-3"], "--lr"),
         (["--lr", "nan"], "--lr"),
         (["--lr", "abc"], "--lr"),
-        (["--epochs", "0"], "--epochs"),
+        (["--epochs", "-1"], "--epochs"),
         (["--max-steps", "-1"], "--max-steps"),
         (["--batch-size", "0"], "--batch-size"),
         (["--batch-size", "12.5"], "--batch-size"),
