@@ -81,13 +81,11 @@ def apply_fsdp(
                     setattr(parent, name, wrapped[id(child)])  # [FSDP] the block, in its wrapper, in its place
         units = [wrapped.get(id(unit), unit) for unit in units]
         model = model if wrapped else checkpoint_wrapper(model)
-    # [FSDP] Mixed precision replaces DDP's autocast: the gathered parameters are cast, the shards stay fp32
-    mixed = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
-    shard = dict(
-        mesh=mesh,
-        mp_policy=mixed if param_dtype else MixedPrecisionPolicy(),
-        offload_policy=CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy(),
-    )
+    # [FSDP] Mixed precision replaces DDP's autocast: the gathered parameters are cast, the shards stay fp32; the
+    # units hand each other param_dtype, the root returns fp32 logits for the loss
+    mixed = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
+    shard = dict(mesh=mesh, mp_policy=mixed, offload_policy=offload_policy)
     if compile:
         # [FSDP] Compile before sharding. FSDP2's hooks (all-gather before a unit, reduce-scatter after its
         # backward) are marked for dynamo to leave out, so the graph breaks at each unit's boundary: a graph
@@ -98,7 +96,10 @@ def apply_fsdp(
     # backward follows at once.
     for i, unit in enumerate(units):
         fully_shard(unit, reshard_after_forward=reshard_after_forward and i < len(units) - 1, **shard)
-    fully_shard(model, reshard_after_forward=False, **shard)
+    root_mixed = MixedPrecisionPolicy(
+        param_dtype, mixed.reduce_dtype, output_dtype=torch.float32 if param_dtype else None
+    )
+    fully_shard(model, reshard_after_forward=False, **{**shard, "mp_policy": root_mixed})
     return model
 
 

@@ -76,8 +76,12 @@ def apply_tp(
     # tp: the first's output is this rank's slice of the features, which the second takes as its input, adds up
     # its partial output with the other TP ranks (an all-reduce) and returns whole. In backward the column-wise
     # layer all-reduces the gradient it returns to the layers before it.
-    split = lambda name: any(name == p or name.startswith(p + ".") for p in plan)  # noqa: E731
-    whole = [name for name, m in model.named_modules() if list(m.parameters(recurse=False)) and not split(name)]
+    # [TP] Every other module with parameters, the outermost that holds no split layer, replicated whole
+    whole: list[str] = []
+    for name, module in model.named_modules():
+        apart = all(not (p == name or p.startswith(name + ".") or name.startswith(p + ".")) for p in plan)
+        if name and apart and list(module.parameters()) and not any(name.startswith(w + ".") for w in whole):
+            whole.append(name)
     parallelize_module(model, tp_mesh, {**plan, **{name: ReplicateParallel() for name in whole}})
     if compile:
         # [TP] After the split, so that the graph has DTensor's collectives in it; before FSDP, as in

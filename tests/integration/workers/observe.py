@@ -3,7 +3,8 @@ installs them for a `Run(..., observe=True)`). They only look: global module hoo
 compute, and dynamo's own counters; nothing of the training changes.
 
 Per rank, into `<out>.observed/rank<r>.json`:
-- "dtypes": the dtypes of what each kind of layer with parameters returned in training (bf16 shows here);
+- "dtypes": the dtypes of what each kind of layer with parameters returned in training (bf16 shows here), and
+  "recomputed_dtypes" the same of the forwards recomputed inside backward (activation checkpointing);
 - "calls": forward calls of those layers, and how many of them ran inside backward (recomputed: activation
   checkpointing);
 - "first_weights": a digest of each layer's parameters at its first forward, as this rank holds them (identical
@@ -61,11 +62,13 @@ class Observer:
             return  # a layer of its own: Conv2d, Linear, LayerNorm
         kind = type(module).__name__
         out = output.to_local() if hasattr(output, "to_local") else output
-        if isinstance(out, torch.Tensor):
-            self.found["dtypes"].setdefault(kind, [])
-            if str(out.dtype) not in self.found["dtypes"][kind]:
-                self.found["dtypes"][kind].append(str(out.dtype))
         inside_backward = torch._C._current_graph_task_id() != -1
+        if isinstance(out, torch.Tensor):  # in forward, and in the forwards recomputed inside backward
+            dtypes = self.found.setdefault("recomputed_dtypes" if inside_backward else "dtypes", {}).setdefault(
+                kind, []
+            )
+            if str(out.dtype) not in dtypes:
+                dtypes.append(str(out.dtype))
         self.found["calls"]["recomputed" if inside_backward else "forward"] += 1
         key = f"{kind}{len(self.found['first_weights'])}"
         if id(module) not in self.names:
