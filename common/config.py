@@ -29,7 +29,7 @@ VIT_SIZES = {
     "baby": (7, 64, 6, 4, 256),  # 0.3 M parameters, the default
     "small": (7, 256, 8, 8, 1024),  # 6.3 M
     "medium": (7, 1024, 16, 16, 4096),  # 202 M: DDP's training state, 3.2 GB per rank, fits 4 CPU processes
-    "large": (7, 2048, 24, 16, 8192),  # 1.2 B: DDP's 19 GB per rank does not fit; FSDP's 4.8 GB on 4 ranks does
+    "large": (7, 1536, 24, 16, 6144),  # 680 M: DDP's 10.9 GB per rank does not fit 4 processes; FSDP's 2.7 GB does
     "ti16": (16, 192, 12, 3, 768),
     "s16": (16, 384, 12, 6, 1536),
     "b16": (16, 768, 12, 12, 3072),
@@ -101,7 +101,7 @@ class Config:
     and MLP): docs/transformer.md."""
     model_size: str = "baby"
     """The model's size. cnn: baby (1.3 M parameters), small (13 M), medium (155 M), large (546 M), 7b (7.1 B). vit:
-    baby (0.3 M), small (6 M), medium (202 M), large (1.2 B); ti16, s16, b16, l16, h14, g14, 22b, the published
+    baby (0.3 M), small (6 M), medium (202 M), large (680 M); ti16, s16, b16, l16, h14, g14, 22b, the published
     ViTs, for python -m planner (it says what each needs per rank)."""
     patch_size: int = 0
     """vit: the patch's side in pixels (0: the size's own); it must divide the images' side."""

@@ -167,6 +167,13 @@ def test_flags_are_limited_to_their_strategy():
         (["--dropout", "1"], "--dropout"),
         (["--precision", "fp8"], "--precision"),
         (["--batch-size", "10", "--grad-accum-steps", "3"], "--grad-accum-steps"),
+        (["--model", "transformer"], "--model"),
+        (["--model", "vit", "--model-size", "7b"], "--model-size"),  # a size of the other model
+        (["--model", "vit", "--model-size", "b16"], "--patch-size"),  # its patch 16 does not divide 28 pixels
+        (["--model", "vit", "--patch-size", "5"], "--patch-size"),
+        (["--model", "vit", "--heads", "5"], "--heads"),  # the width 64 in 5 heads
+        (["--patch-size", "7"], "--patch-size"),  # a flag of the ViT given to BabyCNN
+        (["--heads", "4"], "--heads"),
     ],
 )
 def test_bad_flags_name_the_flag(argv, flag):
@@ -220,3 +227,53 @@ def test_tp_splits_the_classifier_in_pairs_and_refuses_a_width_it_cannot_split()
         parse_config("tp", ["--dp", "3"], world_size=4)
     with pytest.raises(ConfigError, match="unrecognized arguments: --sharding"):
         parse_config("tp", ["--sharding", "full"])
+
+
+# ---------------------------------------------------------------------------------------------- the ViT
+# Published parameter counts: ViT-Ti/16 and -S/16 (DeiT, Touvron et al. 2021), -B/16, -L/16, -H/14 (Dosovitskiy et
+# al. 2021), -g/14 (Zhai et al. 2022, "Scaling Vision Transformers"), ViT-22B (Dehghani et al. 2023)
+PUBLISHED_PARAMETERS = {
+    "ti16": 5.7e6,
+    "s16": 22.1e6,
+    "b16": 86.6e6,
+    "l16": 304.3e6,
+    "h14": 632.2e6,
+    "g14": 1011e6,
+    "22b": 21743e6,
+}
+
+
+@pytest.mark.parametrize("size", PUBLISHED_PARAMETERS)
+def test_the_published_vit_sizes_have_their_published_parameter_counts(size):
+    """At 224 x 224 with 1,000 classes, as they were published (mean pooling where they had a class token)."""
+    assert parameter_count(size, model="vit") == pytest.approx(PUBLISHED_PARAMETERS[size], rel=0.01)
+
+
+@pytest.mark.parametrize("size", ["baby", "small", "b16"])
+def test_the_vit_is_its_sizes_table_and_says_how_it_is_split(size):
+    from common.model_sizes import input_shape
+
+    channels, side, classes = input_shape("vit", size)
+    with torch.device("meta"):
+        model = build_model(model="vit", size=size, seed=0, in_channels=channels, image_size=side, num_classes=classes)
+    assert sum(p.numel() for p in model.parameters()) == parameter_count(size, model="vit")
+    assert [name for name, _ in model.named_children()] == [layer.name for layer in size_layers(size, model="vit")]
+    names = {id(layer): name for name, layer in model.named_children()}
+    assert [[names[id(block)]] for block in model.blocks()] == blocks(size, model="vit")  # FSDP's units
+    plan = model.tp_plan()  # Megatron's split of every block: whole heads, whole MLP halves
+    assert {type(plan[f"block0.attn.{p}"]).__name__ for p in "qkv"} == {"ColwiseParallel"}
+    assert type(plan["block0.attn.proj"]).__name__ == type(plan["block0.mlp.fc2"]).__name__ == "RowwiseParallel"
+
+
+def test_the_vit_trains_on_the_digits_in_its_own_recipe():
+    cfg = parse_config("ddp", ["--model", "vit"])
+    model = build_model(**cfg.model_kwargs(), in_channels=1, image_size=28, num_classes=10)
+    x = torch.randn(3, 1, 28, 28)
+    assert model(x).shape == (3, 10) and model.embed(x).shape == (3, 16, 64)  # 16 tokens: they split over 2, 4, 8
+    assert (cfg.epochs, cfg.lr_schedule) == (8, "cosine")  # the ViT's defaults (docs/transformer.md)
+    assert (parse_config("ddp", []).epochs, parse_config("ddp", []).lr_schedule) == (2, "constant")  # BabyCNN's
+    a, b = (build_model(**cfg.model_kwargs(), in_channels=1, image_size=28, num_classes=10) for _ in range(2))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))  # from the seed alone
+    stages = split_model(a.eval(), stage_starts("baby", 3, model="vit"))
+    assert torch.allclose(torch.nn.Sequential(*stages)(x), a(x))
+    assert stage_starts("baby", 3, model="vit")[0] == "embed" and max_stages("baby", model="vit") == 6
