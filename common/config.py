@@ -7,14 +7,11 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
-import os
-import shutil
 from dataclasses import dataclass, fields
 
 from common.errors import ConfigError
 
 DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10")
-DATASET_SIDES = {"digits": 28, "mnist": 28, "fashion-mnist": 28, "cifar10": 32}  # the images' side in pixels
 # --model-size: (width of the classifier's hidden layers, how many); common/model_sizes.py has what each holds
 MODEL_SIZES = {
     "baby": (128, 1),  # 1.27 M parameters: the suite's BabyCNN, the default
@@ -245,6 +242,8 @@ class Config:
         need(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), got {self.dropout}")
         self.check_observability(on_cpu=(device_type or self.device) == "cpu")
         if self.compile and device_type:
+            from common.compiling import require_compiler  # only with the flag, like every optional feature
+
             require_compiler(device_type)
         # the built-in data set's size is a flag, so this is known before any worker starts (for the
         # torchvision ones the sampler says the same once the data is loaded)
@@ -257,33 +256,14 @@ class Config:
         return self
 
     def check_model(self) -> None:
-        """The size exists for the model, its flags are the model's, and the images split into its patches."""
-        sizes = MODELS[self.model]
-        if self.model_size not in sizes:
+        """The size is one of the model's, and so are its flags (what the ViT's shape allows: model_sizes.py)."""
+        if self.model_size not in (sizes := MODELS[self.model]):
             raise ConfigError(
                 f"--model-size: unknown {self.model} size {self.model_size!r}; choose one of {', '.join(sizes)}"
             )
         if self.model == "cnn" and (self.patch_size or self.heads):
             flag = "--patch-size" if self.patch_size else "--heads"
             raise ConfigError(f"{flag}: a flag of the ViT (--model vit); BabyCNN has no patches or heads: drop it")
-        if self.model == "vit":
-            patch, width, _, heads, _ = self.vit_shape()
-            side = DATASET_SIDES[self.dataset]
-            if side % patch:
-                fits = ", ".join(str(p) for p in range(2, side) if side % p == 0)
-                raise ConfigError(
-                    f"--patch-size: {patch} does not divide the {self.dataset} images' {side} pixels (--model-size "
-                    f"{self.model_size}); use --patch-size {fits}, or a size that trains here (baby, small, medium, "
-                    f"large; the published ones are for python -m planner)"
-                )
-            if width % heads:
-                fits = ", ".join(str(h) for h in range(1, width + 1) if width % h == 0 and h <= 64)
-                raise ConfigError(f"--heads: {heads} heads do not divide the width {width}; use one of {fits}")
-
-    def vit_shape(self) -> tuple[int, int, int, int, int]:
-        """(patch, width, depth, heads, MLP width) of --model vit at --model-size, with --patch-size and --heads."""
-        patch, width, depth, heads, mlp = VIT_SIZES[self.model_size]
-        return self.patch_size or patch, width, depth, self.heads or heads, mlp
 
     def model_kwargs(self) -> dict[str, object]:
         """build_model's arguments from the flags (the data set gives the images' shape)."""
@@ -357,18 +337,6 @@ class Config:
             tp, steps = world_size // self.dp, self.grad_accum_steps
             return f"{self.dp} replicas x {steps} accumulation steps x {chunk} (the same on its {tp} TP ranks)"
         return f"{world_size} ranks x {self.grad_accum_steps} accumulation steps x {chunk}"
-
-
-def require_compiler(device_type: str) -> None:
-    """ConfigError unless inductor can build code for `device_type` (cpu: a C++ compiler; cuda: Triton): said in one
-    line here, not from deep inside inductor at the first step, on every rank at once."""
-    if device_type == "cpu" and not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")):
-        raise ConfigError(
-            "--compile: inductor's CPU backend needs a C++ compiler and none was found (g++, clang++ or $CXX); "
-            "install one (apt-get install g++) or run without --compile"
-        )
-    if device_type == "cuda" and importlib.util.find_spec("triton") is None:
-        raise ConfigError("--compile: inductor's CUDA backend needs Triton; pip install triton, or drop --compile")
 
 
 def batch_larger_than_data(batch_size: int, n_samples: int) -> str:

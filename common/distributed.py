@@ -108,6 +108,8 @@ def collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
+# gloo's words for --timeout-s run out, as a receive or the connection saw it (NCCL's watchdog aborts the process)
+GLOO_TIMEOUTS = ("Timed out waiting", "Application timeout")
 STOP: list[int] = []  # the preemption signals this process received (setup_distributed's handler)
 
 
@@ -180,7 +182,7 @@ def run(main: Callable[[], None]) -> None:
     except BaseException as e:  # an Exception, or DCP's CheckpointException (a BaseException)
         if STOP and _peer_gone(e):  # told to stop, and a peer stopped first: its collective's error is expected
             _exit(128 + STOP[0])
-        timed_out = isinstance(e, RuntimeError) and "Timed out waiting" in str(e)  # gloo's (NCCL's watchdog aborts)
+        timed_out = isinstance(e, RuntimeError) and any(m in str(e) for m in GLOO_TIMEOUTS)
         if (out_of_memory := _out_of_memory(e)) or isinstance(e, (FloatingPointError, WriteError)) or timed_out:
             if not getattr(e, "quiet", False):
                 line = _memory_line(e) if out_of_memory else _timeout_line() if timed_out else f"error: {e}"

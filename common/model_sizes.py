@@ -19,6 +19,23 @@ DATASET_SHAPES = {"digits": (1, 28, 10), "mnist": (1, 28, 10), "fashion-mnist": 
 PUBLISHED = ("ti16", "s16", "b16", "l16", "h14", "g14", "22b")  # the ViTs planned at 224 x 224, 1,000 classes
 
 
+def check_vit(size: str, side: int, *, patch: int = 0, heads: int = 0) -> None:
+    """ConfigError unless --patch-size (0: the size's) divides the images' `side` and --heads (0: the size's) the
+    width: the runners check it before torchrun, BabyViT when it is built."""
+    own_patch, width, _, own_heads, _ = VIT_SIZES[size]
+    patch, heads = patch or own_patch, heads or own_heads
+    if side % patch:
+        fits = ", ".join(str(p) for p in range(2, side) if side % p == 0)
+        raise ConfigError(
+            f"--patch-size: {patch} does not divide the images' {side} pixels (--model-size {size}); use "
+            f"--patch-size {fits}, or a size that trains here (baby, small, medium, large; the published ones are "
+            f"for python -m planner)"
+        )
+    if width % heads:
+        fits = ", ".join(str(h) for h in range(1, min(width, 64) + 1) if width % h == 0)
+        raise ConfigError(f"--heads: {heads} heads do not divide the width {width}; use one of {fits}")
+
+
 def input_shape(model: str, size: str, dataset: str = "digits") -> tuple[int, int, int]:
     """(channels, image side, classes) the model is built for: the data set's, or the published ViTs' ImageNet."""
     return (3, 224, 1000) if model == "vit" and size in PUBLISHED else DATASET_SHAPES[dataset]

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.config import require_compiler
+from common.compiling import require_compiler
 from common.distributed import collective_device
 from common.pipeline_layout import PipelineLayout
 

@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from common.config import VIT_SIZES
+from common.model_sizes import check_vit
 
 
 class Attention(nn.Module):
@@ -87,6 +88,7 @@ class BabyViT(nn.Sequential):
         patch_size: int = 0,
         heads: int = 0,
     ) -> None:
+        check_vit(size, image_size, patch=patch_size, heads=heads)  # (one line, before any weight is drawn)
         patch, width, depth, own_heads, mlp = VIT_SIZES[size]
         blocks = [(f"block{i}", Block(width, heads or own_heads, mlp, dropout)) for i in range(depth)]
         embed = PatchEmbed(in_channels, image_size, patch_size or patch, width)

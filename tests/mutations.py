@@ -100,8 +100,8 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "timeout-line": (
         "common/distributed.py",
-        'return isinstance(e, RuntimeError) and "Timed out waiting" in str(e)',
-        "return False",
+        "timed_out = isinstance(e, RuntimeError) and any(m in str(e) for m in GLOO_TIMEOUTS)",
+        "timed_out = False",
         ["tests/integration/test_interruptions.py", "-k", "timeout"],
     ),
     "preempt-signal": (

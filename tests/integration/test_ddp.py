@@ -184,6 +184,10 @@ BAD_INPUT = [
     (["--dataset", "mnist", "--data-dir", "/nonexistent/mnist"], {}, "--data-dir"),
     (["--train-size", "64"], {}, "--batch-size"),  # the global batch 128 does not fit in 64 images
     (["--precision", "fp16", "--loss-scale", "1000"], {}, "--loss-scale"),  # not a power of two
+    (["--model", "transformer"], {}, "--model"),
+    (["--model", "vit", "--heads", "5"], {}, "--heads"),  # the width 64 in 5 heads
+    (["--model", "vit", "--model-size", "b16"], {}, "--patch-size"),  # a published ViT: patch 16, images of 28
+    (["--patch-size", "7"], {}, "--patch-size"),  # a flag of the ViT given to BabyCNN
 ]
 
 

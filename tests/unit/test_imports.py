@@ -14,9 +14,10 @@ SCRIPTS = ("train_ddp.py", "train_fsdp.py", "train_pippy.py", "train_tp.py")
 NOT_WORKER = ("runner", "tools", "planner", "bench")
 # Lines of common/ behind train_ddp.py (nanoGPT's train.py needs ~380, the FSDP2 example ~370). 1,500 is the aim;
 # since the library was last that small, fp16's loss scaling, the interruptions a user meets (preemption, write
-# errors, timeouts, out of memory, one line each) and the exact resume entered every script's loop, and 1,752 is
-# what they take now: docs/copying.md says which lines of them a copier needs.
-DDP_BUDGET = 1752
+# errors, timeouts, out of memory, one line each), the exact resume and the ViT's flags (--model, its sizes and
+# defaults; the model itself, common/vit.py, loads only with --model vit) entered every script, and 1,800 is what
+# they take now: docs/copying.md says which lines of them a copier needs.
+DDP_BUDGET = 1800
 SCRIPT_LINES = {"train_pippy.py": 280}  # the others: 220
 LONGEST_FUNCTION = {"train_pippy.py": 130}  # the others: 90
 # Each script's wrap, copyable alone: these functions use no name the script imports from the suite

@@ -169,9 +169,6 @@ def test_flags_are_limited_to_their_strategy():
         (["--batch-size", "10", "--grad-accum-steps", "3"], "--grad-accum-steps"),
         (["--model", "transformer"], "--model"),
         (["--model", "vit", "--model-size", "7b"], "--model-size"),  # a size of the other model
-        (["--model", "vit", "--model-size", "b16"], "--patch-size"),  # its patch 16 does not divide 28 pixels
-        (["--model", "vit", "--patch-size", "5"], "--patch-size"),
-        (["--model", "vit", "--heads", "5"], "--heads"),  # the width 64 in 5 heads
         (["--patch-size", "7"], "--patch-size"),  # a flag of the ViT given to BabyCNN
         (["--heads", "4"], "--heads"),
     ],
@@ -277,3 +274,23 @@ def test_the_vit_trains_on_the_digits_in_its_own_recipe():
     stages = split_model(a.eval(), stage_starts("baby", 3, model="vit"))
     assert torch.allclose(torch.nn.Sequential(*stages)(x), a(x))
     assert stage_starts("baby", 3, model="vit")[0] == "embed" and max_stages("baby", model="vit") == 6
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--model", "vit", "--model-size", "b16"], "--patch-size"),  # its patch 16 does not divide 28 pixels
+        (["--model", "vit", "--patch-size", "5"], "--patch-size"),
+        (["--model", "vit", "--heads", "5"], "--heads"),  # the width 64 in 5 heads
+    ],
+)
+def test_what_the_vit_shape_does_not_allow_is_one_line(argv, flag):
+    """Before torchrun (the runners' preflight) and where BabyViT is built (a script run without the runner)."""
+    from common.model import build_model
+    from runner.preflight import check_layout
+
+    cfg = parse_config("ddp", argv)
+    with pytest.raises(ConfigError, match=f"^{flag}: "):
+        check_layout(cfg, 4)
+    with pytest.raises(ConfigError, match=f"^{flag}: "):
+        build_model(**cfg.model_kwargs(), in_channels=1, image_size=28, num_classes=10)
