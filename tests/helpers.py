@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -306,3 +307,15 @@ def kill_a_worker_when(
         return rank, runner.communicate(timeout=timeout_s)[0]
     finally:
         runner.kill()
+
+
+def markdown_rows(stdout: str) -> dict[str, dict[str, str]]:
+    """The Markdown table as {run: {column: cell}}; a cell's "|" is escaped as "\\|", as Markdown wants."""
+
+    def cells(line: str) -> list[str]:
+        return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip()[1:-1])]
+
+    lines = [line for line in stdout.splitlines() if line.startswith("|")]
+    header = cells(lines[0])
+    assert all(len(cells(line)) == len(header) for line in lines), lines
+    return {row["run"]: row for row in (dict(zip(header, cells(line))) for line in lines[2:])}

@@ -24,6 +24,10 @@ MUST_MATCH = {
     "test_size": "test set size",
     "batch_size": "global batch",
     "seed": "seed",
+    "model": "model",
+    "model_size": "model size",
+    "patch_size": "model (patch size)",
+    "heads": "model (heads)",
     "dropout": "model (dropout)",
 }
 
@@ -265,8 +269,11 @@ def plot(runs: Sequence[Run], out: str, *, log_scale: bool) -> None:
         ax.tick_params(axis="x", rotation=20)
     handles, labels = ax_step.get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(len(runs), 3), fontsize=9, frameon=False)
+    model = {"cnn": "BabyCNN", "vit": "BabyViT"}.get(ref.config.get("model", "cnn"), "the model")
+    size = ref.config.get("model_size", "baby")
     fig.suptitle(
-        f"BabyCNN on {ref.config['dataset']}, global batch {ref.config['batch_size']}, seed {ref.config['seed']}"
+        f"{model}{'' if size == 'baby' else f' ({size})'} on {ref.config['dataset']}, "
+        f"global batch {ref.config['batch_size']}, seed {ref.config['seed']}"
     )
     fig.tight_layout(rect=(0, 0.07, 1, 0.97))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -1,12 +1,11 @@
 """run_all.sh and tools.compare on runs of the real scripts: the figure and the table (the refusal of
 mismatched runs is tested on hand-written runs in tests/unit)."""
 
-import re
 import struct
 
 import pytest
 
-from tests.helpers import PARITY, env_for_tests, read_metrics, run_command
+from tests.helpers import PARITY, env_for_tests, markdown_rows, read_metrics, run_command
 
 RUNS = ("ref", "ddp", "fsdp", "pippy", "tp")
 STEPS = 12  # what the comparison needs; the parity itself is tested at length in the strategies' own files
@@ -21,18 +20,6 @@ def run_all(tmp_path_factory):
         timeout=480,
     )
     return out, proc.stdout
-
-
-def markdown_rows(stdout: str) -> dict[str, dict[str, str]]:
-    """The Markdown table as {run: {column: cell}}; a cell's "|" is escaped as "\\|", as Markdown wants."""
-
-    def cells(line: str) -> list[str]:
-        return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip()[1:-1])]
-
-    lines = [line for line in stdout.splitlines() if line.startswith("|")]
-    header = cells(lines[0])
-    assert all(len(cells(line)) == len(header) for line in lines), lines
-    return {row["run"]: row for row in (dict(zip(header, cells(line))) for line in lines[2:])}
 
 
 def test_run_all_writes_a_figure(run_all):

@@ -51,10 +51,11 @@ def test_latest_skips_a_damaged_checkpoint_loudly_and_refuses_when_all_are(tmp_p
     assert latest_checkpoint(str(tmp_path / "fresh"), log=lambda line: None) is None  # no checkpoint at all
 
 
-def write_run(path: Path, losses: list[float], *, seed: int = 0, world_size: int = 1) -> Path:
+def write_run(path: Path, losses: list[float], *, seed: int = 0, world_size: int = 1, model: str = "cnn") -> Path:
     path.mkdir(parents=True)
     config = {"dataset": "digits", "train_size": 1536, "test_size": 256, "batch_size": 96, "seed": seed,
-              "dropout": 0.0, "precision": "fp32", "grad_accum_steps": 1}  # fmt: skip
+              "model": model, "model_size": "baby", "dropout": 0.0, "precision": "fp32",
+              "grad_accum_steps": 1}  # fmt: skip
     per_rank = [{"param_bytes": 4 << 20, "grad_bytes": 4 << 20, "optim_bytes": 8 << 20}] * world_size
     info = {"strategy": "ddp", "world_size": world_size, "config": config, "memory": {"per_rank": per_rank},
             "final": {"train_loss": losses[-1], "test_accuracy": 0.5, "samples_per_s": 1000.0}}  # fmt: skip
@@ -78,6 +79,10 @@ def test_runs_that_are_not_comparable_are_refused_unless_forced(tmp_path, capsys
     ref, seed1 = write_run(tmp_path / "ref", [2.0, 1.0]), write_run(tmp_path / "seed1", [2.1, 1.1], seed=1)
     assert differences([load_run(str(ref)), load_run(str(seed1))]) == [
         f"seed differs: --seed 1 in {seed1} vs 0 in {ref}"
+    ]
+    vit = write_run(tmp_path / "vit", [2.0, 1.0], model="vit")  # a BabyViT's curve is not BabyCNN's
+    assert differences([load_run(str(ref)), load_run(str(vit))]) == [
+        f"model differs: --model vit in {vit} vs cnn in {ref}"
     ]
     figure = tmp_path / "c.png"
     assert main([str(ref), str(seed1), "--out", str(figure)]) == 2
