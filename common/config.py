@@ -36,14 +36,16 @@ VIT_SIZES = {
     "22b": (14, 6144, 48, 48, 24576),
 }
 MODELS = {"cnn": MODEL_SIZES, "vit": VIT_SIZES}  # --model -> its sizes
-# What each model trains with unless told otherwise: the ViT needs more passes and a decaying rate to reach the
-# CNN's accuracy on the digits (docs/transformer.md)
-MODEL_DEFAULTS = {"cnn": {"epochs": 2, "lr_schedule": "constant"}, "vit": {"epochs": 8, "lr_schedule": "cosine"}}
+# What each model trains with unless told otherwise (the ViT's recipe: docs/transformer.md)
+MODEL_DEFAULTS = {
+    "cnn": {"epochs": 2, "lr_schedule": "constant", "shard_units": "model"},
+    "vit": {"epochs": 8, "lr_schedule": "cosine", "shard_units": "blocks"},
+}
 OPTIMIZERS = ("sgd", "adamw")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 SHARDINGS = ("full", "grad-op", "hybrid", "none")
-SHARD_UNITS = ("model", "blocks")
+SHARD_UNITS = ("auto", "model", "blocks")
 LR_SCHEDULES = ("auto", "constant", "cosine", "linear")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
 STRATEGIES = ("ddp", "fsdp", "pippy", "tp")
@@ -107,8 +109,7 @@ class Config:
 
     # --- schedule ---
     epochs: int = 0
-    """Passes over the training set (0: the model's own: 2 for cnn, 8 for vit; the run stops earlier at
-    --max-steps)."""
+    """Passes over the training set (0: the model's own, 2 for cnn and 8 for vit; --max-steps stops earlier)."""
     max_steps: int = 0
     """Stop after this many optimizer steps (0: no limit, run --epochs)."""
     batch_size: int = 128
@@ -155,9 +156,9 @@ class Config:
     # --- FSDP ---
     sharding: str = "full"
     """FSDP sharding: full (ZeRO-3), grad-op (ZeRO-2), hybrid (HSDP, 2-D mesh) or none (replicate, like DDP)."""
-    shard_units: str = "model"
-    """FSDP: what each all-gather gathers: the model (one unit: fewest collectives) or blocks (one unit per
-    block: the full weights exist a block at a time, the pattern for models too big to gather at once)."""
+    shard_units: str = "auto"
+    """FSDP: what each all-gather gathers: the model (one unit: fewest collectives), blocks (a unit per block: the
+    weights exist whole a block at a time, for models too big to gather at once) or auto (cnn: model, vit: blocks)."""
     cpu_offload: bool = False
     """FSDP: keep sharded parameters, gradients and optimizer state in CPU memory (for GPU runs)."""
     activation_checkpointing: bool = False
@@ -210,10 +211,9 @@ class Config:
 
     strategy: str = dataclasses.field(default="ddp", metadata={"cli": False})
 
-    def __post_init__(self) -> None:  # what the model trains with unless told otherwise
-        defaults = MODEL_DEFAULTS.get(self.model, MODEL_DEFAULTS["cnn"])
-        self.epochs = self.epochs or defaults["epochs"]
-        self.lr_schedule = defaults["lr_schedule"] if self.lr_schedule == "auto" else self.lr_schedule
+    def __post_init__(self) -> None:  # what the model trains with where a flag was left at 0 or auto
+        for name, own in MODEL_DEFAULTS.get(self.model, MODEL_DEFAULTS["cnn"]).items():
+            setattr(self, name, own if getattr(self, name) in (0, "auto") else getattr(self, name))
 
     # ------------------------------------------------------------------ checks
     def check(self, *, world_size: int | None = None, device_type: str | None = None) -> "Config":

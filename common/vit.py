@@ -54,7 +54,8 @@ class PatchEmbed(nn.Module):
     def __init__(self, channels: int, image_size: int, patch: int, width: int) -> None:
         super().__init__()
         self.conv = nn.Conv2d(channels, width, kernel_size=patch, stride=patch)
-        self.pos = nn.Parameter(0.02 * torch.randn(1, (image_size // patch) ** 2, width))
+        # [T, D], broadcast over the batch: FSDP shards dim 0, which a leading 1 would leave whole on rank 0
+        self.pos = nn.Parameter(0.02 * torch.randn((image_size // patch) ** 2, width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, C, H, W] -> [B, T, D]
         # contiguous: the tokens' layout, which every later sum keeps, and a pipeline sends (gloo wants it dense)

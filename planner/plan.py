@@ -20,7 +20,7 @@ ALL_VARIANTS = (
     "pipeline gpipe",
 )
 # The ViT's: a unit per block, with and without each block checkpointed (FSDP x TP plans BabyCNN only, for now)
-VIT_VARIANTS = ("ddp", "fsdp full, a unit per layer", "fsdp full, a unit per layer, checkpointed", "pipeline 1f1b")
+VIT_VARIANTS = ("ddp", "fsdp full, a unit per block", "fsdp full, a unit per block, checkpointed", "pipeline 1f1b")
 
 
 @dataclass
@@ -121,7 +121,8 @@ def plan(variant: str, base: Config, world_size: int) -> Plan | None:
     cfg = variant_config(variant, base, world_size)
     if cfg is None:
         return None
-    flags = {k: v for k, v in cfg.flags().items() if k in ("strategy", "sharding", "shard_units", "schedule", "dp")}
+    variant_flags = ("model", "strategy", "sharding", "shard_units", "activation_checkpointing", "schedule", "dp")
+    flags = {k: v for k, v in cfg.flags().items() if k in variant_flags}
     result = Plan(
         variant,
         world_size,

@@ -269,6 +269,9 @@ def test_the_vit_trains_on_the_digits_in_its_own_recipe():
     assert model(x).shape == (3, 10) and model.embed(x).shape == (3, 16, 64)  # 16 tokens: they split over 2, 4, 8
     assert (cfg.epochs, cfg.lr_schedule) == (8, "cosine")  # the ViT's defaults (docs/transformer.md)
     assert (parse_config("ddp", []).epochs, parse_config("ddp", []).lr_schedule) == (2, "constant")  # BabyCNN's
+    # FSDP's units: a unit per block for the ViT, BabyCNN one unit (its fc1 is 93 % of it), unless told
+    assert [parse_config("fsdp", f).shard_units for f in (["--model", "vit"], [])] == ["blocks", "model"]
+    assert parse_config("fsdp", ["--model", "vit", "--shard-units", "model"]).shard_units == "model"
     a, b = (build_model(**cfg.model_kwargs(), in_channels=1, image_size=28, num_classes=10) for _ in range(2))
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))  # from the seed alone
     stages = split_model(a.eval(), stage_starts("baby", 3, model="vit"))
