@@ -24,14 +24,14 @@ ROOT = Path(__file__).resolve().parent.parent
 MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     "ring": (
         "train_ddp.py",
-        "model.register_comm_hook(None, ring_hook)",
-        "ring_hook  # (not registered)",
+        "model.register_comm_hook(None, comm_hook)",
+        "pass  # (not registered)",
         ["tests/integration/test_communication.py", "-k", "ring"],
     ),
     "resume": (
         "common/checkpoint.py",
-        "if not (cfg.resume or _restarted()) or not (path := latest_checkpoint(cfg.out, log=log)):",
-        "if True:",
+        "if (self.cfg.resume or restarted) and (path := latest_checkpoint(self.cfg.out, log=self.log)):",
+        "if False:",
         [
             *("tests/integration/test_resume.py", "tests/integration/test_tp.py", "tests/integration/test_scale.py"),
             *("tests/integration/test_fp16.py", "tests/integration/test_pippy.py", "tests/integration/test_ddp.py"),
@@ -44,17 +44,23 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "enabled=False)",
         ["tests/integration/test_tp.py", "-k", "bf16"],
     ),
-    "fsdp-mixed-precision": (
+    "fsdp-mixed-precision": (  # the root's policy (BabyCNN's only unit by default)
         "train_fsdp.py",
-        "mp_policy=mixed if low else MixedPrecisionPolicy(),",
-        "mp_policy=MixedPrecisionPolicy(),",
+        "param_dtype, mixed.reduce_dtype, output_dtype=",
+        "None, mixed.reduce_dtype, output_dtype=",
         ["tests/integration/test_essentials.py", "-k", "bf16_computes"],
     ),
+    "fsdp-unit-mixed-precision": (  # the blocks' policy
+        "train_fsdp.py",
+        "shard = dict(mesh=mesh, mp_policy=mixed, offload_policy=offload_policy)",
+        "shard = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(), offload_policy=offload_policy)",
+        ["tests/integration/test_vit.py", "-k", "recomputes"],
+    ),
     "compile": (
-        "common/compiling.py",
-        "module.compile(dynamic=dynamic)",
+        "train_ddp.py",
+        "model.compile()",
         "pass",
-        ["tests/integration/test_essentials.py", "-k", "compiled_runs and (ddp or fsdp or tp)"],
+        ["tests/integration/test_essentials.py", "-k", "compiled_runs and ddp"],
     ),
     "compile-stages": (
         "common/pipeline.py",
@@ -64,14 +70,20 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "activation-checkpointing": (
         "train_fsdp.py",
-        "model = checkpoint_wrapper(model)",
+        "model = model if wrapped else checkpoint_wrapper(model)",
         "pass",
         ["tests/integration/test_fsdp.py", "-k", "option and full"],
     ),
+    "block-checkpointing": (  # the whole model checkpointed instead of each block
+        "train_fsdp.py",
+        "wrapped = {id(unit): checkpoint_wrapper(unit) for unit in units if isinstance(unit, nn.Module)}",
+        "wrapped = {}",
+        ["tests/integration/test_vit.py", "-k", "recomputes"],
+    ),
     "cpu-offload": (
         "train_fsdp.py",
-        "offload_policy=offload if cfg.cpu_offload else OffloadPolicy(),",
-        "offload_policy=OffloadPolicy(),",
+        'offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()',
+        "offload_policy = OffloadPolicy()",
         ["tests/integration/test_fsdp.py", "-k", "option and grad-op"],
     ),
     "reseeding": (
@@ -111,10 +123,16 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         ["tests/integration/test_interruptions.py", "-k", "ctrl_c_then"],
     ),
     "tp-split": (
-        "train_tp.py",
-        "plan[col], plan[row] = ColwiseParallel(), RowwiseParallel()",
-        "pass",
+        "common/model.py",
+        "return {name: style() for pair in pairs for name, style in zip(pair, (ColwiseParallel, RowwiseParallel))}",
+        "return {}",
         ["tests/integration/test_tp.py", "-k", "slice"],
+    ),
+    "vit-tp-split": (  # no block split: every TP rank holds the whole model, and still follows one process
+        "common/vit.py",
+        "        return plan\n",
+        "        return {}\n",
+        ["tests/integration/test_vit.py", "-k", "share"],
     ),
 }
 

@@ -40,7 +40,9 @@ FLAGS += ["--checkpoint-every", "10"]
 STRATEGIES = ("ddp", "fsdp", "pippy", "tp")
 POOLED = {s: Run(s, FLAGS, nproc=2) for s in STRATEGIES}  # the uninterrupted runs
 # what a run prints when nothing goes wrong: everything else counts against the 3 lines an interruption may add
-TRAINING = re.compile(r"^(DDP|FSDP|pipeline|TP) \||^\w[\w-]*: \d+ train|^BabyCNN|^  stage \d|^resum|^(step|eval) +\d+/")
+TRAINING = re.compile(
+    r"^(DDP|FSDP|pipeline|TP) \||^\w[\w-]*: \d+ train|^Baby(CNN|ViT)|^  stage \d|^resum|^(step|eval) +\d+/"
+)
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,10 @@ FSDP x TP) follow one process step by step on 2 and 4 ranks; each resumes its ow
 checkpoint crosses DDP -> FSDP -> the pipeline; checkpointing recomputes each block, in bf16 under mixed
 precision. The planner's ViT against real runs: tests/integration/test_plan.py."""
 
+import json
+import struct
+import sys
+
 import pytest
 
 from tests.helpers import (
@@ -13,10 +17,12 @@ from tests.helpers import (
     assert_resumed,
     grad_norms,
     losses,
+    markdown_rows,
     observed,
     printed,
     read_metrics,
     read_run,
+    run_command,
 )
 
 STEPS = 20
@@ -81,11 +87,21 @@ def test_the_pipeline_cuts_between_blocks(runs):
     """The embedding rides with the first block, the head with the last, and every stage starts at a block."""
     stages = read_run(runs / "pp4-1f1b")["pipeline"]
     assert stages["n_stages"] == 4
-    import json
-
     layers = json.loads((runs / "pp4-1f1b" / "timeline.json").read_text())["stage_layers"]
     assert layers[0][0] == "embed" and layers[-1][-1] == "head"
     assert all(stage[0].startswith("block") for stage in layers[1:]) and sum(len(s) for s in layers) == 8
+
+
+def test_the_comparison_draws_the_vit_curves(runs, tmp_path):
+    """tools.compare (what run_all.sh ends with) over the ViT runs of the four strategies: one figure, one table."""
+    names = ("ref", "ddp4", "fsdp4", "pp4-1f1b", "tp4")
+    figure = tmp_path / "vit.png"
+    command = [sys.executable, "-m", "tools.compare", *(str(runs / n) for n in names), "--out", str(figure)]
+    rows = markdown_rows(run_command([*command, "--markdown"]).stdout)
+    png = figure.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24])[0] > 1000
+    assert [rows[n]["steps"] for n in names] == ["20", "20", "20", "20", "10"]
+    assert all(float(row["max |Δloss| vs ref"]) <= FOLLOWS["loss"] for row in rows.values()), rows
 
 
 @pytest.mark.parametrize("strategy", ("ddp", "fsdp", "pippy"))
@@ -102,6 +118,25 @@ def test_one_checkpoint_crosses_ddp_fsdp_and_the_pipeline(runs):
     assert_resumed(runs / "cross-pippy", 12, printed(runs / "cross-pippy"), source=runs / "cross-fsdp")
     assert read_run(runs / "cross-pippy")["strategy"] == "pippy"
     assert_follows(runs / "cross-pippy", runs / "ref", steps=range(13, STEPS + 1), **FOLLOWS)
+
+
+@pytest.mark.parametrize("tp", (2, 4))
+def test_tp_gives_each_rank_its_share_of_every_block(runs, tp):
+    """Every rank holds 1/tp of each block's q, k, v and fc1 (rows: its heads, its part of the MLP) and of proj's and
+    fc2's weights (columns), in the parameters the run reports as split; the rest (norms, embedding, head) whole."""
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    from common.model import build_model
+
+    model = build_model(model="vit", seed=0)
+    split = 0
+    for name, style in model.tp_plan().items():
+        for kind, p in model.get_submodule(name).named_parameters():
+            split += 0 if kind == "bias" and isinstance(style, RowwiseParallel) else p.numel()  # (a row's bias: whole)
+    run = read_run(runs / f"tp{tp}")
+    assert len(run["tp"]["split_layers"]) == 6 * 6  # q, k, v, proj, fc1, fc2 in each of the 6 blocks
+    for rank in run["memory"]["per_rank"]:
+        assert rank["param_bytes_of"]["split"] == 4 * split // tp, rank
 
 
 @pytest.mark.parametrize("name", ["fsdp4-ac", "fsdp4-bf16-ac"])
