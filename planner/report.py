@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+from dataclasses import replace
+from typing import NamedTuple
+
 from common.config import Config
+from common.errors import ConfigError
 from common.model_sizes import parameter_count
-from planner.measure import plan_rank
-from planner.plan import Plan, variant_config
+from planner.measure import RankMemory, plan_rank
+from planner.plan import Plan, ranks_to_measure, variant_config
+from runner.layout import check_layout
 
 
 def size(n: float) -> str:
@@ -73,22 +79,84 @@ def table(plans: list[Plan], model: str, model_size: str, *, memory: int | None)
 
 
 def fitting(plans: list[Plan], memory: int, *, per_rank_batch: int) -> str:
-    """For every plan: the largest per-rank batch whose peak fits `memory` (a peak grows linearly with the batch:
-    planned again at twice the batch, the two points give the line)."""
-    lines = [f"\nThe largest per-rank batch that fits {size(memory)}:", ""]
+    """For every plan: the largest per-rank batch whose planned peak fits `memory`, found by planning, not by
+    extrapolating (a step's peak is not a straight line in the batch): a batch planned and seen to fit, and the
+    next one the variant can run planned and seen not to."""
+    lines = [f"\nThe largest per-rank batch that fits {size(memory)} (each planned, and the next one up):", ""]
     for p in plans:
-        w = p.worst
-        batch = 2 * per_rank_batch * p.world_size
-        base = Config(model=p.model, model_size=p.model_size, optimizer=p.optimizer, batch_size=batch)
-        twice = plan_rank(variant_config(p.variant, base, p.world_size), p.world_size, w.rank)
-        per_sample = (twice.peak_bytes - w.peak_bytes) / per_rank_batch
-        fixed = w.peak_bytes + w.in_flight_bytes - per_sample * per_rank_batch
-        if fixed > memory:
-            answer = f"none: {size(fixed)} before the first sample"
+        print(f"searching the largest batch of {p.variant} on {p.world_size} ranks", file=sys.stderr, flush=True)
+        found = largest_batch(p, memory, start=per_rank_batch)
+        if found is None:
+            answer = "no per-rank batch up to 1,024 splits as this variant needs"
+        elif found.fits == 0:
+            answer = f"none: {size(found.over_bytes)} at {found.over} per rank"
         else:
-            answer = f"{int((memory - fixed) / per_sample) if per_sample > 0 else 'any'}"
+            over = size(found.over_bytes - memory)
+            answer = f"{found.fits:,} ({size(found.fits_bytes)}; {found.over:,} is over by {over})"
         lines.append(f"- {p.variant} on {p.world_size}: {answer}")
     return "\n".join(lines)
+
+
+class Largest(NamedTuple):
+    fits: int  # the largest per-rank batch planned to fit (0: none does)
+    over: int  # the next one the variant can run, planned not to
+    fits_bytes: int
+    over_bytes: int
+
+
+def largest_batch(p: Plan, memory: int, *, start: int) -> Largest | None:
+    """Search the per-rank batches `p`'s variant can run (multiples of the smallest) for the largest whose worst
+    rank's planned peak (with a pipeline's in-flight sends) fits: bracket by doubling or halving from `start`, then
+    narrow by the line through the bracket's ends, halving where the line stalls. A few plans, seconds each."""
+    base = Config(model=p.model, model_size=p.model_size, optimizer=p.optimizer)
+
+    def config(per_rank: int) -> Config | None:  # None: a batch the variant cannot split (micro-batches, replicas)
+        batch = per_rank * p.world_size  # (a data set of at least one batch: the planner plans a step, not an epoch)
+        cfg = variant_config(p.variant, replace(base, batch_size=batch, train_size=max(batch, 12800)), p.world_size)
+        try:
+            replace(cfg).check(world_size=p.world_size)  # (a copy: check settles some fields)
+            check_layout(cfg, p.world_size)
+        except (ConfigError, AttributeError):  # (AttributeError: variant_config's None)
+            return None
+        return cfg
+
+    step = next((b for b in range(1, 1025) if config(b)), None)
+    if step is None:
+        return None
+    peaks: dict[int, int] = {}
+
+    def peak(k: int) -> int:  # the worst rank's bytes at k * step samples per rank, planned once
+        if k not in peaks:
+            cfg = config(k * step)
+            peaks[k] = max(r.peak_bytes + r.in_flight_bytes for r in _planned(cfg, p.world_size))
+        return peaks[k]
+
+    k = max(1, start // step)
+    if peak(k) <= memory:
+        while peak(2 * k) <= memory:
+            k *= 2
+        fits, over = k, 2 * k
+    else:
+        while k > 1 and peak(k // 2) > memory:
+            k //= 2
+        if k == 1:
+            return Largest(0, step, 0, peak(1))
+        fits, over = k // 2, k
+    while over - fits > 1:
+        width = over - fits
+        line = fits + (memory - peak(fits)) * width // max(peak(over) - peak(fits), 1)
+        guess = min(max(line, fits + 1), over - 1)
+        for k in (guess, guess + 1) if width > 3 else (guess,):  # both sides of the line's crossing
+            if fits < k < over:
+                fits, over = (k, over) if peak(k) <= memory else (fits, k)
+        if over - fits > width // 2:  # the line did not halve the bracket: halve it
+            mid = (fits + over) // 2
+            fits, over = (mid, over) if peak(mid) <= memory else (fits, mid)
+    return Largest(fits * step, over * step, peak(fits), peak(over))
+
+
+def _planned(cfg: Config, world_size: int) -> list[RankMemory]:
+    return [plan_rank(cfg, world_size, rank) for rank in ranks_to_measure(cfg, world_size)]
 
 
 def draw(plans: list[Plan], out: str, *, memory: int | None) -> None:

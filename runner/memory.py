@@ -15,6 +15,7 @@ from dataclasses import replace
 from common.config import Config
 from common.errors import ConfigError
 from common.model_sizes import blocks, layers, tp_fsdp_units
+from runner.layout import check_layout
 
 # Memory one CPU training process of this suite takes (torch, the built-in data set, BabyCNN, gloo), rounded up
 # from the peak Pss measured per worker (docs/checkpoints.md, "Too many processes", says how). Larger data sets
@@ -119,19 +120,51 @@ def check_memory(cfg: Config, *, nproc: int, world_size: int, on_cpu: bool) -> N
             f"(or free memory)"
         )
     runtime = need_mib - planned_peak_bytes(cfg, world_size) / 2**20
-    instead = "use more processes (a smaller share each), a smaller --model-size or a smaller --batch-size"
-    if cfg.strategy != "fsdp":  # FSDP with a unit per layer: a share of the state, one layer gathered at a time
-        better = replace(cfg, strategy="fsdp", sharding="full", shard_units="blocks")
-        model = " --model vit" if cfg.model == "vit" else ""
-        command = f"bash run_fsdp.sh{model} --model-size {cfg.model_size} --shard-units blocks"
-    else:
-        better, command = replace(cfg, shard_units="blocks"), "--shard-units blocks (a layer gathered at a time)"
-    mib = planned_peak_bytes(better, world_size) / 2**20 + runtime
-    if better != cfg and mib * (nproc if on_cpu else 1) <= have:
-        instead = f"this fits (~{mib / 1024:.1f} GiB each): {command}"
+    instead = _what_fits(cfg, nproc=nproc, world_size=world_size, on_cpu=on_cpu, have=have, runtime=runtime)
     each = f"{nproc} processes x ~{need_mib / 1024:.1f} GiB" if on_cpu else f"~{need_mib / 1024:.1f} GiB per GPU"
     strategy = {"ddp": "DDP", "fsdp": f"FSDP {cfg.sharding}", "pippy": "the pipeline", "tp": "TP"}[cfg.strategy]
     raise ConfigError(
         f"--model-size {cfg.model_size}: {strategy} on {world_size} ranks needs {each} (its training state and the "
         f"peak of a step, as python -m planner plans it, and the runtime) but {have / 1024:.1f} GiB {where}; {instead}"
     )
+
+
+def _what_fits(cfg: Config, *, nproc: int, world_size: int, on_cpu: bool, have: float, runtime: float) -> str:
+    """What to run instead, for this strategy and device: the first change that the same closed form lets through.
+    On a CPU every process shares the machine's memory, so fewer processes need less for every strategy (DDP's are
+    whole copies; a sharded strategy's shares add up to the same state, each process adds its runtime and its
+    gathered unit). On GPUs a rank's share of FSDP, the pipeline or TP shrinks with more GPUs; DDP's never does."""
+    model = " --model vit" if cfg.model == "vit" else ""
+
+    def each_mib(candidate: Config, ranks: int) -> float | None:  # None: not a run the flags allow
+        try:
+            replace(candidate).check(world_size=ranks)  # (a copy: check settles some fields)
+            check_layout(candidate, ranks)
+            return planned_peak_bytes(candidate, ranks) / 2**20 + runtime
+        except (ConfigError, ValueError):  # (ValueError: more stages than the model has layers to cut)
+            return None
+
+    blocks = replace(cfg, strategy="fsdp", sharding="full", shard_units="blocks")  # a share, one block whole
+    to_blocks = f"bash run_fsdp.sh{model} --model-size {cfg.model_size} --shard-units blocks"
+    if cfg.strategy == "fsdp":
+        to_blocks = "--shard-units blocks (a block gathered at a time)"
+    if on_cpu:  # the same processes sharded a block at a time, else fewer of them
+        tries = [(blocks, nproc, to_blocks)] if cfg != blocks else []
+        if nproc == world_size:
+            tries += [(cfg, fewer, f"NPROC={fewer}, the same flags") for fewer in range(nproc - 1, 0, -1)]
+    else:  # a GPU holds one rank: a block at a time, then more GPUs for a smaller share (DDP's never shrinks)
+        tries = []
+        for ranks in (world_size, 2 * world_size, 4 * world_size, 8 * world_size):
+            where = f" on {ranks} GPUs (NPROC x NNODES)" if ranks > world_size else ""
+            if ranks > world_size and cfg.strategy != "ddp":
+                tries.append((cfg, ranks, f"the same flags{where}"))
+            if cfg != blocks:
+                tries.append((blocks, ranks, to_blocks + where))
+    for candidate, ranks, command in tries:
+        mib = each_mib(candidate, ranks)
+        if mib is not None and mib * (ranks if on_cpu else 1) <= have:
+            return f"this fits (~{mib / 1024:.1f} GiB each): {command}"
+    smaller = "a smaller --batch-size or --model-size"
+    if cfg.strategy == "ddp" and not on_cpu:
+        return f"DDP holds the whole model on every GPU, however many: {smaller}"
+    return f"--activation-checkpointing or {smaller}" if cfg.strategy == "fsdp" else smaller

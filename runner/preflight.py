@@ -23,9 +23,8 @@ from common.cli import parse_config
 from common.config import STRATEGIES, Config
 from common.data_files import DataMissingError, ensure_data
 from common.errors import ConfigError, fail
-from common.model_sizes import DATASET_SHAPES, check_tp_degree, check_vit
-from common.pipeline_layout import PipelineLayout
 from common.runs import already_done, check_resume, complete_checkpoints, moved_line, set_aside, total_steps
+from runner.layout import check_layout
 from runner.memory import check_memory
 
 # Exit status for "the run is already finished": the runner exits 0 without starting torchrun.
@@ -73,17 +72,6 @@ def check_out(out: str) -> None:
     except OSError as e:
         problem = f"cannot write in {folder} ({e.strerror})"
         raise ConfigError(f"--out {out}: {problem}; choose a folder you can write to") from None
-
-
-def check_layout(cfg: Config, world_size: int) -> None:
-    """What the pipeline's and TP's layouts need of the world size, as train_pippy.py and train_tp.py check it,
-    and what the ViT's shape allows."""
-    if cfg.strategy == "pippy":
-        PipelineLayout.of(cfg, world_size).check(chunk_size=cfg.chunk_size(world_size), compile=cfg.compile)
-    if cfg.strategy == "tp":
-        check_tp_degree(cfg.model_size, tp=world_size // cfg.dp, dp=cfg.dp)
-    if cfg.model == "vit":  # what the ViT's shape allows, as BabyViT checks it when it is built
-        check_vit(cfg.model_size, DATASET_SHAPES[cfg.dataset][1], patch=cfg.patch_size, heads=cfg.heads)
 
 
 def _take(args: list[str], flag: str, *, has_value: bool = True) -> str | None:

@@ -13,7 +13,8 @@ import pytest
 from common.cli import parse_config
 from common.config import Config
 from planner.measure import plan_rank
-from planner.plan import VIT_VARIANTS, ranks_to_measure, variant_config
+from planner.plan import VIT_VARIANTS, plan, ranks_to_measure, variant_config
+from planner.report import largest_batch
 from runner.memory import planned_peak_bytes
 from tests.helpers import SMALL, Run, read_run, run_command
 
@@ -105,6 +106,21 @@ def test_the_closed_form_is_within_25_percent_of_the_planner(model, size):
             planned = max(plan_rank(cfg, n, rank).peak_bytes for rank in ranks_to_measure(cfg, n))
             closed = planned_peak_bytes(cfg, n)
             assert abs(closed - planned) <= CLOSED_FORM_TOLERANCE * planned, (size, variant, n, closed, planned)
+
+
+def test_the_largest_batch_is_planned_to_fit_and_the_next_one_up_not():
+    # a step's peak is not a straight line in the batch: the answer is a batch the search planned and saw fit, and
+    # the next batch the variant can run (a pipeline of 2 stages and 4 micro-batches: even ones) planned and seen
+    # not to; each planned again here on its own
+    memory = 60 * 10**6
+    for variant, n, step in (("ddp", 1, 1), ("fsdp full, a unit per layer", 4, 1), ("pipeline 1f1b", 2, 2)):
+        found = largest_batch(plan(variant, Config(batch_size=32 * n), n), memory, start=32)
+        assert found is not None and 32 < found.fits and found.over == found.fits + step, (variant, found)
+        for per_rank, fits in ((found.fits, True), (found.over, False)):
+            cfg = variant_config(variant, Config(batch_size=per_rank * n), n)
+            ranks = [plan_rank(cfg, n, rank) for rank in ranks_to_measure(cfg, n)]
+            worst = max(r.peak_bytes + r.in_flight_bytes for r in ranks)
+            assert (worst <= memory) == fits and worst in (found.fits_bytes, found.over_bytes), (variant, per_rank)
 
 
 def test_the_planner_command_for_7b_on_4_ranks(tmp_path):

@@ -207,7 +207,7 @@ def test_the_model_says_how_it_is_split_as_the_sizes_table_does(size):
 
 
 def test_tp_splits_the_classifier_in_pairs_and_refuses_a_width_it_cannot_split():
-    from runner.preflight import check_layout
+    from runner.layout import check_layout
 
     assert tp_pairs("baby") == [("fc1", "fc2")]
     assert tp_pairs("small") == [("fc1", "hidden1"), ("hidden2", "hidden3")]  # fc2, the fifth, stays whole
@@ -290,7 +290,7 @@ def test_the_vit_trains_on_the_digits_in_its_own_recipe():
 def test_what_the_vit_shape_does_not_allow_is_one_line(argv, flag):
     """Before torchrun (the runners' preflight) and where BabyViT is built (a script run without the runner)."""
     from common.model import build_model
-    from runner.preflight import check_layout
+    from runner.layout import check_layout
 
     cfg = parse_config("ddp", argv)
     with pytest.raises(ConfigError, match=f"^{flag}: "):

@@ -7,7 +7,7 @@ from common.cli import parse_config
 from common.config import SCHEDULES
 from common.pipeline_actions import BALANCED_COST, simulate_bubble
 from common.pipeline_layout import PipelineLayout
-from runner.preflight import check_layout
+from runner.layout import check_layout
 from tests.helpers import PP_PARITY
 from tests.integration.test_pippy import DP2, MATRIX, PART1, STAGES_PER_RANK
 

@@ -93,7 +93,7 @@ def test_no_gradients_is_a_zero_norm_and_nothing_to_scale():
 
 @pytest.mark.parametrize("schedule", ["interleaved-zb", "zbv", "dualpipev"])
 def test_compile_refuses_the_split_backward_schedules(schedule):
-    from runner.preflight import check_layout
+    from runner.layout import check_layout
 
     with pytest.raises(ConfigError, match=f"^--compile: {schedule} splits each stage's backward"):
         check_layout(parse_config("pippy", ["--compile", "--schedule", schedule, "--stages-per-rank", "2"]), 2)

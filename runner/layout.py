@@ -1,0 +1,19 @@
+"""What a strategy's layout needs of the world size and the model's shape, as the scripts check it when they start:
+checked before torchrun (runner/preflight.py) and for every alternative the memory wall or the planner names."""
+
+from __future__ import annotations
+
+from common.config import Config
+from common.model_sizes import DATASET_SHAPES, check_tp_degree, check_vit
+from common.pipeline_layout import PipelineLayout
+
+
+def check_layout(cfg: Config, world_size: int) -> None:
+    """What the pipeline's and TP's layouts need of the world size, as train_pippy.py and train_tp.py check it,
+    and what the ViT's shape allows."""
+    if cfg.strategy == "pippy":
+        PipelineLayout.of(cfg, world_size).check(chunk_size=cfg.chunk_size(world_size), compile=cfg.compile)
+    if cfg.strategy == "tp":
+        check_tp_degree(cfg.model_size, tp=world_size // cfg.dp, dp=cfg.dp)
+    if cfg.model == "vit":  # what the ViT's shape allows, as BabyViT checks it when it is built
+        check_vit(cfg.model_size, DATASET_SHAPES[cfg.dataset][1], patch=cfg.patch_size, heads=cfg.heads)
