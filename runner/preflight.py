@@ -25,7 +25,8 @@ from common.data_files import DataMissingError, ensure_data
 from common.errors import ConfigError, fail
 from common.model_sizes import DATASET_SHAPES, check_tp_degree, check_vit
 from common.pipeline_layout import PipelineLayout
-from common.runs import already_done, check_resume, complete_checkpoints, moved_line, set_aside, total_steps
+from common.resume import check_resume
+from common.runs import already_done, complete_checkpoints, moved_line, set_aside, total_steps
 from runner.memory import check_memory
 
 # Exit status for "the run is already finished": the runner exits 0 without starting torchrun.
