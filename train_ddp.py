@@ -26,7 +26,7 @@ from common.distributed import DistEnv, RankLogger, run, seed_everything, setup_
 from common.model import build_model
 from common.recorder import RunRecorder
 from common.runs import total_steps
-from common.training import LossScaler, autocast, build_optimizer, evaluate, global_mean, lr_at, set_lr
+from common.training import autocast, build_optimizer, evaluate, global_mean, loss_scaler, lr_at, set_lr
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,7 +86,7 @@ def train(cfg: Config, env: DistEnv) -> None:
     device_ids = [env.local_rank] if env.device.type == "cuda" else None
     model = apply_ddp(model, device_ids=device_ids, comm_hook=comm_hook, compile=cfg.compile)  # [DDP]
     optimizer = build_optimizer(model.parameters(), cfg)
-    scaler = LossScaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
+    scaler = loss_scaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
 
     def lay_out_buckets() -> None:
         # [DDP] After a process's first backward DDP (torch 2.14.1) lays its gradient buckets out again, in the

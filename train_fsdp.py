@@ -31,7 +31,7 @@ from common.errors import WriteError
 from common.model import build_model
 from common.recorder import RunRecorder
 from common.runs import latest_checkpoint_line, total_steps
-from common.training import LossScaler, build_optimizer, evaluate, global_mean, low_precision, lr_at, set_lr
+from common.training import build_optimizer, evaluate, global_mean, loss_scaler, low_precision, lr_at, set_lr
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -151,7 +151,7 @@ def train(cfg: Config, env: DistEnv) -> None:
         compile=cfg.compile,
     )
     optimizer = build_optimizer(model.parameters(), cfg)  # [FSDP] after sharding: it steps the local shards
-    scaler = LossScaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
+    scaler = loss_scaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
 
     # resume or start afresh, save every --checkpoint-every steps, and on a preemption signal save and stop
     checkpoints = Checkpoints(cfg, model, [optimizer], scaler, sampler=sampler, steps=steps, log=log)

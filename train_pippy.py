@@ -36,7 +36,7 @@ from common.pipeline_actions import StageActions
 from common.pipeline_layout import PipelineLayout
 from common.recorder import RunRecorder
 from common.runs import total_steps
-from common.training import LossScaler, autocast, build_optimizer, evaluate, lr_at, set_lr
+from common.training import autocast, build_optimizer, evaluate, loss_scaler, lr_at, set_lr
 
 # [PP] The schedules, by --schedule (docs/pipeline.md draws each)
 SCHEDULES = {
@@ -141,7 +141,7 @@ def train(cfg: Config, env: DistEnv) -> None:
         compile_stages(list(modules.values()), env.device)
     dp_mesh = mesh["dp"] if layout.dp > 1 else None
     stages = apply_pipeline(modules, layout.n_stages, pp_group, env.device, dp_mesh=dp_mesh)  # [PP]
-    scaler = LossScaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
+    scaler = loss_scaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # [PP] A micro-batch's mean loss divided by the micro-batches (and accumulation steps): the losses the

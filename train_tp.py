@@ -32,7 +32,7 @@ from common.model import build_model
 from common.model_sizes import check_tp_degree
 from common.recorder import RunRecorder
 from common.runs import total_steps
-from common.training import LossScaler, autocast, build_optimizer, evaluate, global_mean, lr_at, set_lr
+from common.training import autocast, build_optimizer, evaluate, global_mean, loss_scaler, lr_at, set_lr
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -128,7 +128,7 @@ def train(cfg: Config, env: DistEnv) -> None:
     dp_mesh = mesh["dp"] if cfg.dp > 1 else None  # [TP] --dp: FSDP x TP, a unit per block of the model
     model = apply_tp(model, mesh["tp"], plan, dp_mesh=dp_mesh, dp_units=model.blocks(), compile=cfg.compile)
     optimizer = build_optimizer(model.parameters(), cfg)
-    scaler = LossScaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
+    scaler = loss_scaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
 
     # resume or start afresh, save every --checkpoint-every steps, and on a preemption signal save and stop
     checkpoints = Checkpoints(cfg, model, [optimizer], scaler, sampler=sampler, steps=steps, log=log)

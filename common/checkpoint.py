@@ -42,7 +42,7 @@ from common.runs import (
 if TYPE_CHECKING:
     from common.data import GlobalBatchSampler
     from common.recorder import RunRecorder
-    from common.training import LossScaler
+    from common.training import NoLossScaling
 
 # Optimizer state keyed by parameter name: the nested default (torch 2.14.1) keys param groups by position, and
 # pipeline ranks, each holding other parameters, would write different groups under one key.
@@ -60,7 +60,7 @@ class Checkpoints:
         cfg: Config,
         model: nn.Module,
         optimizers: Sequence[torch.optim.Optimizer],
-        scaler: LossScaler,
+        scaler: NoLossScaling,
         *,
         sampler: GlobalBatchSampler,
         steps: int,

@@ -18,7 +18,7 @@ from common.config import Config
 from common.distributed import DistEnv, Progress, local_part
 from common.errors import WriteError
 from common.runs import latest_checkpoint_line
-from common.training import LossScaler, check_finite
+from common.training import NoLossScaling, check_finite
 
 _OFF = contextlib.nullcontext()  # reusable: entering it does nothing
 
@@ -84,7 +84,7 @@ class RunRecorder:
                 self.peak.starts(step)
             yield step
 
-    def train(self, step: int, *, loss: float, lr: float, grad_norm: float, scaler: LossScaler) -> None:
+    def train(self, step: int, *, loss: float, lr: float, grad_norm: float, scaler: NoLossScaling) -> None:
         """Record optimizer step `step`, whose time ends here. A non-finite loss raises FloatingPointError (the
         loss is reduced over all ranks, so every rank stops together); fp16's records add the loss scale and
         whether the step was skipped (its gradients overflowed: grad_norm null)."""
