@@ -20,22 +20,7 @@ MODEL_SIZES = {
     "large": (8192, 8),  # 546 M: DDP's 8.7 GB per rank does not fit 4 processes in 24 GiB; FSDP's 2.2 GB does
     "7b": (16384, 27),  # 7.1 B: for planning on GPUs (the textbook's 7 B)
 }
-# --model vit --model-size: (patch, width, depth, heads, MLP width). The first four train on the 28 x 28 images here
-# (16 tokens); the published shapes (ViT-Ti/16 ... ViT-22B) are planned at 224 x 224 with 1,000 classes.
-VIT_SIZES = {
-    "baby": (7, 64, 6, 4, 256),  # 0.3 M parameters, the default
-    "small": (7, 256, 8, 8, 1024),  # 6.3 M
-    "medium": (7, 1024, 16, 16, 4096),  # 202 M: DDP's training state, 3.2 GB per rank, fits 4 CPU processes
-    "large": (7, 1536, 24, 16, 6144),  # 680 M: DDP's 10.9 GB per rank does not fit 4 processes; FSDP's 2.7 GB does
-    "ti16": (16, 192, 12, 3, 768),
-    "s16": (16, 384, 12, 6, 1536),
-    "b16": (16, 768, 12, 12, 3072),
-    "l16": (16, 1024, 24, 16, 4096),
-    "h14": (14, 1280, 32, 16, 5120),
-    "g14": (14, 1408, 40, 16, 6144),
-    "22b": (14, 6144, 48, 48, 24576),
-}
-MODELS = {"cnn": MODEL_SIZES, "vit": VIT_SIZES}  # --model -> its sizes
+MODELS = ("cnn", "vit")  # BabyViT's sizes: common/vit_sizes.py, loaded only with --model vit
 # What each model trains with unless told otherwise (the ViT's recipe: docs/transformer.md)
 MODEL_DEFAULTS = {
     "cnn": {"epochs": 2, "lr_schedule": "constant", "shard_units": "model"},
@@ -257,7 +242,10 @@ class Config:
 
     def check_model(self) -> None:
         """The size is one of the model's, and so are its flags (what the ViT's shape allows: model_sizes.py)."""
-        if self.model_size not in (sizes := MODELS[self.model]):
+        sizes = MODEL_SIZES
+        if self.model == "vit":
+            from common.vit_sizes import VIT_SIZES as sizes
+        if self.model_size not in sizes:
             raise ConfigError(
                 f"--model-size: unknown {self.model} size {self.model_size!r}; choose one of {', '.join(sizes)}"
             )

@@ -19,8 +19,9 @@ import sys
 import time
 from typing import Sequence
 
-from common.config import MODELS, OPTIMIZERS, Config
+from common.config import MODEL_SIZES, MODELS, OPTIMIZERS, Config
 from common.errors import fail
+from common.vit_sizes import VIT_SIZES
 from planner.plan import ALL_VARIANTS, DEFAULT_VARIANTS, VIT_VARIANTS, Plan, plan
 from planner.report import draw, fitting, table
 
@@ -49,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", help="also write every plan here")
     parser.add_argument("--out", help="also draw the plans into this PNG")
     args = parser.parse_args(argv)
-    if args.model_size not in (sizes := MODELS[args.model]):
+    if args.model_size not in (sizes := VIT_SIZES if args.model == "vit" else MODEL_SIZES):
         fail(f"--model-size: unknown {args.model} size {args.model_size!r}; choose one of {', '.join(sizes)}")
     try:
         world_sizes = [int(n) for n in args.world_sizes.split(",")]
