@@ -20,10 +20,10 @@ import time
 from typing import Sequence
 
 from common.config import MODEL_SIZES, MODELS, OPTIMIZERS, Config
-from common.errors import fail
 from common.vit_sizes import VIT_SIZES
 from planner.plan import ALL_VARIANTS, DEFAULT_VARIANTS, VIT_VARIANTS, Plan, plan
 from planner.report import draw, fitting, table
+from runner.entry import fail
 
 UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 

@@ -22,11 +22,12 @@ from typing import Sequence
 from common.cli import parse_config
 from common.config import STRATEGIES, Config
 from common.data_files import DataMissingError, ensure_data
-from common.errors import ConfigError, fail
+from common.errors import ConfigError
 from common.model_sizes import DATASET_SHAPES, check_tp_degree, check_vit
 from common.pipeline_layout import PipelineLayout
 from common.resume import check_resume
 from common.runs import already_done, complete_checkpoints, moved_line, set_aside, total_steps
+from runner.entry import fail
 from runner.memory import check_memory
 
 # Exit status for "the run is already finished": the runner exits 0 without starting torchrun.
