@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 from dataclasses import dataclass, fields
 
@@ -225,9 +224,15 @@ class Config:
         need(0 <= norm < float("inf"), "max-grad-norm", f"must be 0 (off) or positive, got {norm}")
         self.check_loss_scale()
         need(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), got {self.dropout}")
-        self.check_observability(on_cpu=(device_type or self.device) == "cpu")
+        if self.profile_steps or self.memory_snapshot or self.tensorboard:
+            from common.optional_checks import check_observability  # only with a flag, like the features themselves
+
+            on_cpu = (device_type or self.device) == "cpu"
+            check_observability(
+                self.profile_steps, memory_snapshot=self.memory_snapshot, tensorboard=self.tensorboard, on_cpu=on_cpu
+            )
         if self.compile and device_type:
-            from common.compiling import require_compiler  # only with the flag, like every optional feature
+            from common.optional_checks import require_compiler
 
             require_compiler(device_type)
         # the built-in data set's size is a flag, so this is known before any worker starts (for the
@@ -257,20 +262,6 @@ class Config:
         """build_model's arguments from the flags (the data set gives the images' shape)."""
         vit = {"patch_size": self.patch_size, "heads": self.heads} if self.model == "vit" else {}
         return {"model": self.model, "size": self.model_size, "seed": self.seed, "dropout": self.dropout, **vit}
-
-    def check_observability(self, *, on_cpu: bool) -> None:
-        a, _, b = self.profile_steps.partition(":")
-        ok = not self.profile_steps or (a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b))
-        if not ok:
-            raise ConfigError(f"--profile-steps: expected A:B with 1 <= A <= B (e.g. 3:5), got {self.profile_steps!r}")
-        if self.memory_snapshot and on_cpu:
-            raise ConfigError(
-                "--memory-snapshot: needs CUDA (it records the CUDA allocator); this run is on CPU: drop the flag"
-            )
-        if self.memory_snapshot and not self.profile_steps:
-            raise ConfigError("--memory-snapshot: records the profiled steps; add --profile-steps A:B (e.g. 3:5)")
-        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
-            raise ConfigError("--tensorboard: the tensorboard package is not installed; pip install tensorboard")
 
     def check_loss_scale(self) -> None:
         if self.precision != "fp16" and (self.loss_scale, self.loss_scale_growth_interval) != (65536.0, 2000):
