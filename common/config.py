@@ -10,7 +10,6 @@ from dataclasses import dataclass, fields
 
 from common.errors import ConfigError
 
-DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10")
 # --model-size: (width of the classifier's hidden layers, how many); common/model_sizes.py has what each holds
 MODEL_SIZES = {
     "baby": (128, 1),  # 1.27 M parameters: the suite's BabyCNN, the default
@@ -26,26 +25,21 @@ MODEL_DEFAULTS = {
     "vit": {"epochs": 8, "lr_schedule": "cosine", "shard_units": "blocks"},
 }
 OPTIMIZERS = ("sgd", "adamw")
-PRECISIONS = ("fp32", "bf16", "fp16")
-DEVICES = ("auto", "cpu", "cuda")
 SHARDINGS = ("full", "grad-op", "hybrid", "none")
-SHARD_UNITS = ("auto", "model", "blocks")
-LR_SCHEDULES = ("auto", "constant", "cosine", "linear")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
 STRATEGIES = ("ddp", "fsdp", "pippy", "tp")
-ALLREDUCES = ("builtin", "ring")
 PREEMPT_SIGNALS = ("USR1", "USR2")  # SIGTERM is always one; SIGINT (Ctrl-C) stops at once, without a checkpoint
 CHOICES = {  # flag -> (what it names, its values)
-    "dataset": ("data set", DATASETS),
+    "dataset": ("data set", ("digits", "mnist", "fashion-mnist", "cifar10")),
     "model": ("model", MODELS),
     "optimizer": ("optimizer", OPTIMIZERS),
-    "precision": ("precision", PRECISIONS),
-    "device": ("device", DEVICES),
+    "precision": ("precision", ("fp32", "bf16", "fp16")),
+    "device": ("device", ("auto", "cpu", "cuda")),
     "sharding": ("mode", SHARDINGS),
-    "shard_units": ("unit", SHARD_UNITS),
+    "shard_units": ("unit", ("auto", "model", "blocks")),
     "schedule": ("schedule", SCHEDULES),
-    "lr_schedule": ("schedule", LR_SCHEDULES),
-    "allreduce": ("all-reduce", ALLREDUCES),
+    "lr_schedule": ("schedule", ("auto", "constant", "cosine", "linear")),
+    "allreduce": ("all-reduce", ("builtin", "ring")),
     "preempt_signal": ("signal", PREEMPT_SIGNALS),
 }
 # Counts that must be at least 1, and those where 0 means something of its own (said in the error)
