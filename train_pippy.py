@@ -29,7 +29,7 @@ from common.cli import parse_config
 from common.clipping import clip_grad_norm
 from common.config import Config
 from common.data import GlobalBatchSampler, describe_data, load_dataset, to_device_batch
-from common.distributed import DistEnv, RankLogger, run, seed_everything, setup_distributed, teardown_distributed
+from common.distributed import DistEnv, RankLogger, run, setup_distributed, teardown_distributed
 from common.model import build_model
 from common.pipeline import compile_stages, describe_cut, eval_forward, split_model, stage_output_shapes
 from common.pipeline_actions import StageActions
@@ -135,7 +135,7 @@ def train(cfg: Config, env: DistEnv) -> None:
     pieces = split_model(model, layout.stage_starts)
     log(describe_cut(pieces, layout))
     shapes = stage_output_shapes(pieces, data.train.images[:1].float(), batch_size=chunk_size)  # for evaluation
-    seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
+    torch.manual_seed(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
     modules = {i: pieces[i].to(env.device) for i in my_stages}  # [PP] this rank's stages only
     if cfg.compile:  # [PP] a graph per stage module: the send/recv between stages stays outside the graphs
         compile_stages(list(modules.values()), env.device)

@@ -27,7 +27,7 @@ from common.cli import parse_config
 from common.clipping import clip_grad_norm
 from common.config import Config
 from common.data import GlobalBatchSampler, describe_data, load_dataset, to_device_batch
-from common.distributed import DistEnv, RankLogger, run, seed_everything, setup_distributed, teardown_distributed
+from common.distributed import DistEnv, RankLogger, run, setup_distributed, teardown_distributed
 from common.model import build_model
 from common.model_sizes import check_tp_degree
 from common.recorder import RunRecorder
@@ -123,7 +123,7 @@ def train(cfg: Config, env: DistEnv) -> None:
     model = build_model(**cfg.model_kwargs(), **data.shape).to(env.device)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"{type(model).__name__} {cfg.model_size}: {n_params:,} parameters")
-    seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
+    torch.manual_seed(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
     plan = model.tp_plan()  # [TP] the model says which layers split how
     dp_mesh = mesh["dp"] if cfg.dp > 1 else None  # [TP] --dp: FSDP x TP, a unit per block of the model
     model = apply_tp(model, mesh["tp"], plan, dp_mesh=dp_mesh, dp_units=model.blocks(), compile=cfg.compile)

@@ -145,11 +145,6 @@ def teardown_distributed() -> None:
     dist.destroy_process_group()
 
 
-def seed_everything(seed: int) -> None:
-    """Seed the RNGs that draw dropout masks and other per-step randomness."""
-    torch.manual_seed(seed)
-
-
 class RankLogger:
     """Prints from one rank only: the one that holds the metric (rank 0, or the last pipeline stage)."""
 

@@ -88,8 +88,8 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "reseeding": (
         "train_ddp.py",
-        "seed_everything(cfg.seed + env.rank)",
-        "seed_everything(cfg.seed)",
+        "torch.manual_seed(cfg.seed + env.rank)",
+        "torch.manual_seed(cfg.seed)",
         ["tests/integration/test_ddp.py", "-k", "dropout"],
     ),
     "accumulation-scale": (
