@@ -225,20 +225,14 @@ def writing(path: str, out_dir: str) -> Iterator[None]:
 
 
 def _open_metrics(out_dir: str, *, keep_up_to: int):
-    """metrics.jsonl, to append to. A resumed run keeps the records up to its first step and drops the later
-    ones (a crash wrote them after the checkpoint it resumes from), so no step appears twice; the kept file
-    replaces the old one in one rename, so a crash here loses nothing."""
+    """metrics.jsonl, to append to: a new one, or a resumed run's, cut back to the step it resumes after."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "metrics.jsonl")
     if not keep_up_to:
         return open(path, "w")  # a new run (a previous one in --out was moved aside), or a restart from step 0
-    keep = []
-    if os.path.exists(path):
-        with open(path) as f:
-            keep = [line for line in f if line.strip() and json.loads(line)["step"] <= keep_up_to]
-    with open(path + ".tmp", "w") as f:
-        f.writelines(keep)
-    os.replace(path + ".tmp", path)
+    from common.resume import cut_metrics  # (only a resumed run)
+
+    cut_metrics(path, keep_up_to)
     return open(path, "a")
 
 

@@ -1,7 +1,7 @@
 """Resuming a run (--resume, or torchrun restarting the group): the newest checkpoint that passes verification,
-and what a resume may change (a setting that decides the curve must equal the one its meta.json records, or
-metrics.jsonl would silently become two runs). No torch here: the runners' preflight makes the same checks before
-torchrun starts, and a worker loads this module only to resume."""
+what a resume may change (a setting that decides the curve must equal the one its meta.json records, or
+metrics.jsonl would silently become two runs), and metrics.jsonl cut back to where it resumes. No torch here: the
+runners' preflight makes the same checks before torchrun starts, and a worker loads this module only to resume."""
 
 from __future__ import annotations
 
@@ -105,3 +105,16 @@ def latest_checkpoint(out_dir: str, *, log: Callable[[str], None] = print) -> st
             f"move the folder away to start afresh"
         )
     return None
+
+
+def cut_metrics(path: str, step: int) -> None:
+    """Keep the records of metrics.jsonl up to `step`, where the run resumes, and drop the later ones (a crash wrote
+    them after the checkpoint it resumes from), so no step appears twice; the kept file replaces the old one in one
+    rename, so a crash here loses nothing."""
+    keep = []
+    if os.path.exists(path):
+        with open(path) as f:
+            keep = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
