@@ -61,14 +61,10 @@ def already_done(out_dir: str, step: int, steps: int) -> str:
     return f"{out_dir}: already at step {step} of {steps}; nothing to train (raise --max-steps or --epochs)"
 
 
-def holds_a_run(out_dir: str) -> bool:
-    return any(os.path.exists(os.path.join(out_dir, name)) for name in RUN_FILES)
-
-
 def set_aside(out_dir: str) -> str | None:
     """Move a previous run in `out_dir` to the first free `out_dir.N` (N = 1, 2, ...); returns where, or None
     when there was none. The new run then starts in an empty folder: nothing of the old one is lost or mixed."""
-    if not holds_a_run(out_dir):
+    if not any(os.path.exists(os.path.join(out_dir, name)) for name in RUN_FILES):
         return None
     n = 1
     while os.path.exists(f"{out_dir.rstrip(os.sep)}.{n}"):
