@@ -1,8 +1,7 @@
 """Checkpoints with torch.distributed.checkpoint (DCP), the same format for every strategy (docs/checkpoints.md):
 `<out>/checkpoints/step_0000015/` holds DCP's files, each rank's RNG state and, written last, meta.json (step, world
 size, config, each file's size and SHA-256). A save becomes visible by an atomic rename once every rank has written;
-keys are the model's own parameter names, so DCP reshards at load time and strategies read each other's.
-"""
+keys are the model's own parameter names, so DCP reshards at load time and strategies read each other's."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Everything a run reports, in one object: `<out>/metrics.jsonl` and the console's progress lines, TensorBoard
 (--tensorboard), the profiler (--profile-steps), each rank's memory, `<out>/run.json` and the final line. The
-records and their meaning: the README, "What a run writes".
-"""
+records and their meaning: the README, "What a run writes"."""
 
 from __future__ import annotations
 

@@ -102,15 +102,13 @@ def evaluate(
     device: torch.device,
     fixed_batch: int = 0,
 ) -> tuple[float, float]:
-    """(test loss, test accuracy) over the whole test set, the same for any world size.
-
-    Each of `parts` evaluators (a rank; a pipeline replica) takes its contiguous shard of the test set, and the
-    sums of losses and hits are reduced over all ranks. `forward(images, labels)` returns the logits, or None on
-    a rank that does not hold them (a pipeline rank without the last stage). Every evaluator makes as many
-    forward calls as the longest shard needs, because sharded models and pipelines communicate inside forward:
-    a shorter shard runs an empty batch or, with `fixed_batch` (a pipeline, whose buffers the first step sized:
-    every batch exactly that size), batches padded with copies of image 0 whose rows are not counted.
-    """
+    """(test loss, test accuracy) over the whole test set, the same for any world size. Each of `parts` evaluators
+    (a rank; a pipeline replica) takes its contiguous shard of the test set, and the sums of losses and hits are
+    reduced over all ranks. `forward(images, labels)` returns the logits, or None on a rank that does not hold them
+    (a pipeline rank without the last stage). Every evaluator makes as many forward calls as the longest shard
+    needs, because sharded models and pipelines communicate inside forward: a shorter shard runs an empty batch or,
+    with `fixed_batch` (a pipeline, whose buffers the first step sized: every batch exactly that size), batches
+    padded with copies of image 0 whose rows are not counted."""
     batch_size = fixed_batch or EVAL_BATCH_SIZE
     shard = shard_range(len(data.test), part, parts)
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, hits, count
