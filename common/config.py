@@ -279,7 +279,6 @@ class Config:
                 f"--batch-size: the global batch {self.batch_size} (/ --grad-accum-steps {self.grad_accum_steps}) "
                 f"does not split evenly over {replicas} {what}; use a multiple of {replicas * self.grad_accum_steps}"
             )
-        # the pipeline's and TP's own checks are theirs: PipelineLayout.check, model_sizes.check_tp_degree
         if self.strategy == "fsdp" and self.sharding == "hybrid" and (world_size < 2 or world_size % 2):
             raise ConfigError(f"--sharding: hybrid needs an even world size (2 replicas x shards), got {world_size}")
 
@@ -322,12 +321,7 @@ def batch_larger_than_data(batch_size: int, n_samples: int) -> str:
 # Flags that exist only in some scripts; all other fields are flags of every script.
 STRATEGY_FLAGS = {
     "allreduce": ("ddp",),
-    "sharding": ("fsdp",),
-    "shard_units": ("fsdp",),
-    "cpu_offload": ("fsdp",),
-    "activation_checkpointing": ("fsdp",),
-    "schedule": ("pippy",),
-    "n_microbatches": ("pippy",),
-    "stages_per_rank": ("pippy",),
+    **dict.fromkeys(("sharding", "shard_units", "cpu_offload", "activation_checkpointing"), ("fsdp",)),
+    **dict.fromkeys(("schedule", "n_microbatches", "stages_per_rank"), ("pippy",)),
     "dp": ("pippy", "tp"),
 }

@@ -1,5 +1,5 @@
 """Process-group set-up and teardown from torchrun's environment (without torchrun: a world of one, the same code
-path), seeding, rank-aware logging, preemption, and how a process ends (`run`)."""
+path), rank-aware logging, preemption, and how a process ends (`run`)."""
 
 from __future__ import annotations
 
