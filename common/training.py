@@ -55,7 +55,7 @@ def autocast(cfg: Config, device: torch.device):
 
 class NoLossScaling:
     """fp32 and bf16 scale nothing: every step is taken. With --precision fp16, common/fp16.py's LossScaler takes its
-    place (`loss_scaler`): the same attributes and methods, and a scale."""
+    place (`loss_scaler`): it has these attributes and methods too, and scales."""
 
     enabled, skipped, value = False, False, 1.0
 
