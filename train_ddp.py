@@ -22,11 +22,11 @@ from common.cli import parse_config
 from common.clipping import clip_grad_norm
 from common.config import Config
 from common.data import GlobalBatchSampler, describe_data, load_dataset, to_device_batch
-from common.distributed import DistEnv, RankLogger, run, seed_everything, setup_distributed, teardown_distributed
+from common.distributed import DistEnv, RankLogger, run, setup_distributed, teardown_distributed
 from common.model import build_model
 from common.recorder import RunRecorder
 from common.runs import total_steps
-from common.training import LossScaler, autocast, build_optimizer, evaluate, global_mean, lr_at, set_lr
+from common.training import autocast, build_optimizer, evaluate, global_mean, loss_scaler, lr_at, set_lr
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,7 +78,7 @@ def train(cfg: Config, env: DistEnv) -> None:
     model = build_model(**cfg.model_kwargs(), **data.shape).to(env.device)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"{type(model).__name__} {cfg.model_size}: {n_params:,} parameters")
-    seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
+    torch.manual_seed(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
     comm_hook = None
     if cfg.allreduce == "ring":
         from common.ring import ring_hook as comm_hook  # only with the flag: the ring all-reduce written out
@@ -86,7 +86,7 @@ def train(cfg: Config, env: DistEnv) -> None:
     device_ids = [env.local_rank] if env.device.type == "cuda" else None
     model = apply_ddp(model, device_ids=device_ids, comm_hook=comm_hook, compile=cfg.compile)  # [DDP]
     optimizer = build_optimizer(model.parameters(), cfg)
-    scaler = LossScaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
+    scaler = loss_scaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
 
     def lay_out_buckets() -> None:
         # [DDP] After a process's first backward DDP (torch 2.14.1) lays its gradient buckets out again, in the

@@ -26,12 +26,12 @@ from common.cli import parse_config
 from common.clipping import clip_grad_norm
 from common.config import Config
 from common.data import GlobalBatchSampler, describe_data, load_dataset, to_device_batch
-from common.distributed import DistEnv, RankLogger, run, seed_everything, setup_distributed, teardown_distributed
+from common.distributed import DistEnv, RankLogger, run, setup_distributed, teardown_distributed
 from common.errors import WriteError
 from common.model import build_model
 from common.recorder import RunRecorder
 from common.runs import latest_checkpoint_line, total_steps
-from common.training import LossScaler, build_optimizer, evaluate, global_mean, low_precision, lr_at, set_lr
+from common.training import build_optimizer, evaluate, global_mean, loss_scaler, low_precision, lr_at, set_lr
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -135,7 +135,7 @@ def train(cfg: Config, env: DistEnv) -> None:
     model = build_model(**cfg.model_kwargs(), **data.shape)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"{type(model).__name__} {cfg.model_size}: {n_params:,} parameters")
-    seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
+    torch.manual_seed(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
     # [FSDP] The flags as the wrap's arguments: hybrid shards over 2 rows of world/2 ranks, none over 1 (NO_SHARD);
     # --shard-units blocks: a unit per block (the model's own), model: the root alone (fewest collectives)
     replicas = {"full": 1, "grad-op": 1, "hybrid": 2, "none": env.world_size}[cfg.sharding]
@@ -151,7 +151,7 @@ def train(cfg: Config, env: DistEnv) -> None:
         compile=cfg.compile,
     )
     optimizer = build_optimizer(model.parameters(), cfg)  # [FSDP] after sharding: it steps the local shards
-    scaler = LossScaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
+    scaler = loss_scaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
 
     # resume or start afresh, save every --checkpoint-every steps, and on a preemption signal save and stop
     checkpoints = Checkpoints(cfg, model, [optimizer], scaler, sampler=sampler, steps=steps, log=log)

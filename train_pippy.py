@@ -29,14 +29,14 @@ from common.cli import parse_config
 from common.clipping import clip_grad_norm
 from common.config import Config
 from common.data import GlobalBatchSampler, describe_data, load_dataset, to_device_batch
-from common.distributed import DistEnv, RankLogger, run, seed_everything, setup_distributed, teardown_distributed
+from common.distributed import DistEnv, RankLogger, run, setup_distributed, teardown_distributed
 from common.model import build_model
 from common.pipeline import compile_stages, describe_cut, eval_forward, split_model, stage_output_shapes
 from common.pipeline_actions import StageActions
 from common.pipeline_layout import PipelineLayout
 from common.recorder import RunRecorder
 from common.runs import total_steps
-from common.training import LossScaler, autocast, build_optimizer, evaluate, lr_at, set_lr
+from common.training import autocast, build_optimizer, evaluate, loss_scaler, lr_at, set_lr
 
 # [PP] The schedules, by --schedule (docs/pipeline.md draws each)
 SCHEDULES = {
@@ -135,13 +135,13 @@ def train(cfg: Config, env: DistEnv) -> None:
     pieces = split_model(model, layout.stage_starts)
     log(describe_cut(pieces, layout))
     shapes = stage_output_shapes(pieces, data.train.images[:1].float(), batch_size=chunk_size)  # for evaluation
-    seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
+    torch.manual_seed(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
     modules = {i: pieces[i].to(env.device) for i in my_stages}  # [PP] this rank's stages only
     if cfg.compile:  # [PP] a graph per stage module: the send/recv between stages stays outside the graphs
         compile_stages(list(modules.values()), env.device)
     dp_mesh = mesh["dp"] if layout.dp > 1 else None
     stages = apply_pipeline(modules, layout.n_stages, pp_group, env.device, dp_mesh=dp_mesh)  # [PP]
-    scaler = LossScaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
+    scaler = loss_scaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # [PP] A micro-batch's mean loss divided by the micro-batches (and accumulation steps): the losses the

@@ -27,12 +27,12 @@ from common.cli import parse_config
 from common.clipping import clip_grad_norm
 from common.config import Config
 from common.data import GlobalBatchSampler, describe_data, load_dataset, to_device_batch
-from common.distributed import DistEnv, RankLogger, run, seed_everything, setup_distributed, teardown_distributed
+from common.distributed import DistEnv, RankLogger, run, setup_distributed, teardown_distributed
 from common.model import build_model
 from common.model_sizes import check_tp_degree
 from common.recorder import RunRecorder
 from common.runs import total_steps
-from common.training import LossScaler, autocast, build_optimizer, evaluate, global_mean, lr_at, set_lr
+from common.training import autocast, build_optimizer, evaluate, global_mean, loss_scaler, lr_at, set_lr
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -123,12 +123,12 @@ def train(cfg: Config, env: DistEnv) -> None:
     model = build_model(**cfg.model_kwargs(), **data.shape).to(env.device)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"{type(model).__name__} {cfg.model_size}: {n_params:,} parameters")
-    seed_everything(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
+    torch.manual_seed(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
     plan = model.tp_plan()  # [TP] the model says which layers split how
     dp_mesh = mesh["dp"] if cfg.dp > 1 else None  # [TP] --dp: FSDP x TP, a unit per block of the model
     model = apply_tp(model, mesh["tp"], plan, dp_mesh=dp_mesh, dp_units=model.blocks(), compile=cfg.compile)
     optimizer = build_optimizer(model.parameters(), cfg)
-    scaler = LossScaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
+    scaler = loss_scaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
 
     # resume or start afresh, save every --checkpoint-every steps, and on a preemption signal save and stop
     checkpoints = Checkpoints(cfg, model, [optimizer], scaler, sampler=sampler, steps=steps, log=log)

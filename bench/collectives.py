@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
 from bench.launches import CORES, ROOT, LoadWatch, cpu_name, cpu_seconds, peak_rss_bytes, torchrun
 from bench.report import human
-from common.errors import UserError, fail
+from common.errors import UserError
+from runner.entry import fail
 
 if TYPE_CHECKING:
     import torch

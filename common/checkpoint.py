@@ -1,8 +1,7 @@
 """Checkpoints with torch.distributed.checkpoint (DCP), the same format for every strategy (docs/checkpoints.md):
 `<out>/checkpoints/step_0000015/` holds DCP's files, each rank's RNG state and, written last, meta.json (step, world
 size, config, each file's size and SHA-256). A save becomes visible by an atomic rename once every rank has written;
-keys are the model's own parameter names, so DCP reshards at load time and strategies read each other's.
-"""
+keys are the model's own parameter names, so DCP reshards at load time and strategies read each other's."""
 
 from __future__ import annotations
 
@@ -27,10 +26,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from common.config import Config
 from common.distributed import collective_device, stop_requested
-from common.errors import UserError, WriteError, write_error_in
+from common.errors import WriteError, write_error_in
 from common.runs import (
     already_done,
-    check_resume,
     checkpoint_dir,
     complete_checkpoints,
     fingerprint,
@@ -43,15 +41,11 @@ from common.runs import (
 if TYPE_CHECKING:
     from common.data import GlobalBatchSampler
     from common.recorder import RunRecorder
-    from common.training import LossScaler
+    from common.training import NoLossScaling
 
 # Optimizer state keyed by parameter name: the nested default (torch 2.14.1) keys param groups by position, and
 # pipeline ranks, each holding other parameters, would write different groups under one key.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-class CheckpointError(UserError, RuntimeError):
-    """No checkpoint that passes verification."""
 
 
 class Checkpoints:
@@ -65,7 +59,7 @@ class Checkpoints:
         cfg: Config,
         model: nn.Module,
         optimizers: Sequence[torch.optim.Optimizer],
-        scaler: LossScaler,
+        scaler: NoLossScaling,
         *,
         sampler: GlobalBatchSampler,
         steps: int,
@@ -77,16 +71,16 @@ class Checkpoints:
     def start(self, *, before_load: Callable[[], None] | None = None) -> int | None:
         """The step this run continues after (0: a new run), or None when that ends the run (said in one line,
         nothing rewritten). `before_load` runs just before a checkpoint loads."""
-        step, restarted = 0, _restarted()
-        if (self.cfg.resume or restarted) and (path := latest_checkpoint(self.cfg.out, log=self.log)):
-            with open(os.path.join(path, "meta.json")) as f:
-                meta = json.load(f)
-            if note := check_resume(self.cfg, meta, world_size=dist.get_world_size()):  # ConfigError: changed curve
-                self.log(note)
+        step, restarted, found = 0, _restarted(), None
+        if self.cfg.resume or restarted:  # only then: which checkpoint, and what a resume may change
+            from common.resume import resume_point
+
+            found = resume_point(self.cfg, world_size=dist.get_world_size(), log=self.log)  # ConfigError: a new curve
+        if found:
             if before_load:
                 before_load()
-            step = self._load(path, meta)
-            self.log(f"resumed from {path} (step {step})")
+            step = self._load(*found)
+            self.log(f"resumed from {found[0]} (step {step})")
         else:  # a new run: rank 0 moves a previous one to <out>.N first (not after a restart: this run is that one)
             if not restarted and dist.get_rank() == 0 and (moved := set_aside(self.cfg.out)):
                 print(moved_line(self.cfg.out, moved), flush=True)  # rank 0's own act (a pipeline logs elsewhere)
@@ -223,38 +217,4 @@ def _written(write: Callable[[], None], folder: str) -> str | None:
         with contextlib.suppress(OSError):
             problem += f"; {shutil.disk_usage(folder).free / 2**20:.0f} MiB free there"
         return problem
-    return None
-
-
-def verify_checkpoint(path: str) -> str | None:
-    """None if every file of the checkpoint has the size and SHA-256 recorded at save time, else the problem."""
-    try:
-        with open(os.path.join(path, "meta.json")) as f:
-            files = json.load(f)["files"]
-    except (OSError, ValueError, KeyError) as e:
-        return f"meta.json unreadable ({e})"
-    for name, expected in files.items():
-        if not os.path.exists(file := os.path.join(path, name)):
-            return f"{name} is missing"
-        actual = fingerprint(file)
-        if actual["bytes"] != expected["bytes"]:
-            return f"{name} has {actual['bytes']} bytes, {expected['bytes']} were written (truncated?)"
-        if actual["sha256"] != expected["sha256"]:
-            return f"{name} does not match its checksum (corrupted)"
-    return None
-
-
-def latest_checkpoint(out_dir: str, *, log: Callable[[str], None] = print) -> str | None:
-    """The newest checkpoint in `out_dir` that passes verification (a damaged one is skipped, loudly), or None if
-    there is none at all; CheckpointError if every one is damaged (never a silent fresh start)."""
-    found = complete_checkpoints(out_dir)
-    for _, path in reversed(found):
-        if (problem := verify_checkpoint(path)) is None:
-            return path
-        log(f"WARNING: checkpoint {path} is damaged: {problem}; trying the previous one")
-    if found:
-        raise CheckpointError(
-            f"--resume: no checkpoint in {checkpoint_dir(out_dir)} passes verification; "
-            f"move the folder away to start afresh"
-        )
     return None

@@ -21,16 +21,11 @@ def _field_docs() -> dict[str, str]:
     """The docstring written under each field of Config, read from common/config.py's source."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(Config)))
     body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-        ):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
-    return docs
+    return {
+        node.target.id: " ".join(str(nxt.value.value).split())
+        for node, nxt in zip(body, body[1:])
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+    }
 
 
 class _Parser(argparse.ArgumentParser):

@@ -5,13 +5,11 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 from dataclasses import dataclass, fields
 
 from common.errors import ConfigError
 
-DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10")
 # --model-size: (width of the classifier's hidden layers, how many); common/model_sizes.py has what each holds
 MODEL_SIZES = {
     "baby": (128, 1),  # 1.27 M parameters: the suite's BabyCNN, the default
@@ -20,48 +18,28 @@ MODEL_SIZES = {
     "large": (8192, 8),  # 546 M: DDP's 8.7 GB per rank does not fit 4 processes in 24 GiB; FSDP's 2.2 GB does
     "7b": (16384, 27),  # 7.1 B: for planning on GPUs (the textbook's 7 B)
 }
-# --model vit --model-size: (patch, width, depth, heads, MLP width). The first four train on the 28 x 28 images here
-# (16 tokens); the published shapes (ViT-Ti/16 ... ViT-22B) are planned at 224 x 224 with 1,000 classes.
-VIT_SIZES = {
-    "baby": (7, 64, 6, 4, 256),  # 0.3 M parameters, the default
-    "small": (7, 256, 8, 8, 1024),  # 6.3 M
-    "medium": (7, 1024, 16, 16, 4096),  # 202 M: DDP's training state, 3.2 GB per rank, fits 4 CPU processes
-    "large": (7, 1536, 24, 16, 6144),  # 680 M: DDP's 10.9 GB per rank does not fit 4 processes; FSDP's 2.7 GB does
-    "ti16": (16, 192, 12, 3, 768),
-    "s16": (16, 384, 12, 6, 1536),
-    "b16": (16, 768, 12, 12, 3072),
-    "l16": (16, 1024, 24, 16, 4096),
-    "h14": (14, 1280, 32, 16, 5120),
-    "g14": (14, 1408, 40, 16, 6144),
-    "22b": (14, 6144, 48, 48, 24576),
-}
-MODELS = {"cnn": MODEL_SIZES, "vit": VIT_SIZES}  # --model -> its sizes
+MODELS = ("cnn", "vit")  # BabyViT's sizes: common/vit_sizes.py, loaded only with --model vit
 # What each model trains with unless told otherwise (the ViT's recipe: docs/transformer.md)
 MODEL_DEFAULTS = {
     "cnn": {"epochs": 2, "lr_schedule": "constant", "shard_units": "model"},
     "vit": {"epochs": 8, "lr_schedule": "cosine", "shard_units": "blocks"},
 }
 OPTIMIZERS = ("sgd", "adamw")
-PRECISIONS = ("fp32", "bf16", "fp16")
-DEVICES = ("auto", "cpu", "cuda")
 SHARDINGS = ("full", "grad-op", "hybrid", "none")
-SHARD_UNITS = ("auto", "model", "blocks")
-LR_SCHEDULES = ("auto", "constant", "cosine", "linear")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
 STRATEGIES = ("ddp", "fsdp", "pippy", "tp")
-ALLREDUCES = ("builtin", "ring")
 PREEMPT_SIGNALS = ("USR1", "USR2")  # SIGTERM is always one; SIGINT (Ctrl-C) stops at once, without a checkpoint
 CHOICES = {  # flag -> (what it names, its values)
-    "dataset": ("data set", DATASETS),
+    "dataset": ("data set", ("digits", "mnist", "fashion-mnist", "cifar10")),
     "model": ("model", MODELS),
     "optimizer": ("optimizer", OPTIMIZERS),
-    "precision": ("precision", PRECISIONS),
-    "device": ("device", DEVICES),
+    "precision": ("precision", ("fp32", "bf16", "fp16")),
+    "device": ("device", ("auto", "cpu", "cuda")),
     "sharding": ("mode", SHARDINGS),
-    "shard_units": ("unit", SHARD_UNITS),
+    "shard_units": ("unit", ("auto", "model", "blocks")),
     "schedule": ("schedule", SCHEDULES),
-    "lr_schedule": ("schedule", LR_SCHEDULES),
-    "allreduce": ("all-reduce", ALLREDUCES),
+    "lr_schedule": ("schedule", ("auto", "constant", "cosine", "linear")),
+    "allreduce": ("all-reduce", ("builtin", "ring")),
     "preempt_signal": ("signal", PREEMPT_SIGNALS),
 }
 # Counts that must be at least 1, and those where 0 means something of its own (said in the error)
@@ -240,9 +218,15 @@ class Config:
         need(0 <= norm < float("inf"), "max-grad-norm", f"must be 0 (off) or positive, got {norm}")
         self.check_loss_scale()
         need(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), got {self.dropout}")
-        self.check_observability(on_cpu=(device_type or self.device) == "cpu")
+        if self.profile_steps or self.memory_snapshot or self.tensorboard:
+            from common.optional_checks import check_observability  # only with a flag, like the features themselves
+
+            on_cpu = (device_type or self.device) == "cpu"
+            check_observability(
+                self.profile_steps, memory_snapshot=self.memory_snapshot, tensorboard=self.tensorboard, on_cpu=on_cpu
+            )
         if self.compile and device_type:
-            from common.compiling import require_compiler  # only with the flag, like every optional feature
+            from common.optional_checks import require_compiler
 
             require_compiler(device_type)
         # the built-in data set's size is a flag, so this is known before any worker starts (for the
@@ -257,7 +241,10 @@ class Config:
 
     def check_model(self) -> None:
         """The size is one of the model's, and so are its flags (what the ViT's shape allows: model_sizes.py)."""
-        if self.model_size not in (sizes := MODELS[self.model]):
+        sizes = MODEL_SIZES
+        if self.model == "vit":
+            from common.vit_sizes import VIT_SIZES as sizes
+        if self.model_size not in sizes:
             raise ConfigError(
                 f"--model-size: unknown {self.model} size {self.model_size!r}; choose one of {', '.join(sizes)}"
             )
@@ -269,20 +256,6 @@ class Config:
         """build_model's arguments from the flags (the data set gives the images' shape)."""
         vit = {"patch_size": self.patch_size, "heads": self.heads} if self.model == "vit" else {}
         return {"model": self.model, "size": self.model_size, "seed": self.seed, "dropout": self.dropout, **vit}
-
-    def check_observability(self, *, on_cpu: bool) -> None:
-        a, _, b = self.profile_steps.partition(":")
-        ok = not self.profile_steps or (a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b))
-        if not ok:
-            raise ConfigError(f"--profile-steps: expected A:B with 1 <= A <= B (e.g. 3:5), got {self.profile_steps!r}")
-        if self.memory_snapshot and on_cpu:
-            raise ConfigError(
-                "--memory-snapshot: needs CUDA (it records the CUDA allocator); this run is on CPU: drop the flag"
-            )
-        if self.memory_snapshot and not self.profile_steps:
-            raise ConfigError("--memory-snapshot: records the profiled steps; add --profile-steps A:B (e.g. 3:5)")
-        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
-            raise ConfigError("--tensorboard: the tensorboard package is not installed; pip install tensorboard")
 
     def check_loss_scale(self) -> None:
         if self.precision != "fp16" and (self.loss_scale, self.loss_scale_growth_interval) != (65536.0, 2000):
@@ -306,7 +279,6 @@ class Config:
                 f"--batch-size: the global batch {self.batch_size} (/ --grad-accum-steps {self.grad_accum_steps}) "
                 f"does not split evenly over {replicas} {what}; use a multiple of {replicas * self.grad_accum_steps}"
             )
-        # the pipeline's and TP's own checks are theirs: PipelineLayout.check, model_sizes.check_tp_degree
         if self.strategy == "fsdp" and self.sharding == "hybrid" and (world_size < 2 or world_size % 2):
             raise ConfigError(f"--sharding: hybrid needs an even world size (2 replicas x shards), got {world_size}")
 
@@ -349,12 +321,7 @@ def batch_larger_than_data(batch_size: int, n_samples: int) -> str:
 # Flags that exist only in some scripts; all other fields are flags of every script.
 STRATEGY_FLAGS = {
     "allreduce": ("ddp",),
-    "sharding": ("fsdp",),
-    "shard_units": ("fsdp",),
-    "cpu_offload": ("fsdp",),
-    "activation_checkpointing": ("fsdp",),
-    "schedule": ("pippy",),
-    "n_microbatches": ("pippy",),
-    "stages_per_rank": ("pippy",),
+    **dict.fromkeys(("sharding", "shard_units", "cpu_offload", "activation_checkpointing"), ("fsdp",)),
+    **dict.fromkeys(("schedule", "n_microbatches", "stages_per_rank"), ("pippy",)),
     "dp": ("pippy", "tp"),
 }

@@ -71,14 +71,11 @@ def load_dataset(cfg: Config, *, download: bool = False) -> DataSet:
 
 
 def to_device_batch(
-    split: Split, indices: torch.Tensor, data: DataSet, device: torch.device, dtype: torch.dtype = torch.float32
+    split: Split, indices: torch.Tensor, data: DataSet, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather `indices` from `split` and return a normalised (images, labels) pair on `device`.
-
-    On CUDA the gathered uint8 batch is pinned, so the host-to-device copy is asynchronous and the CPU
-    can prepare the next step while it runs; images travel as uint8 (4x fewer bytes) and are normalised
-    on the GPU.
-    """
+    """Gather `indices` from `split` and return a normalised (images, labels) pair on `device`. On CUDA the gathered
+    uint8 batch is pinned, so the host-to-device copy is asynchronous and the CPU can prepare the next step while it
+    runs; images travel as uint8 (4x fewer bytes) and are normalised on the GPU."""
     images, labels = split.images[indices], split.labels[indices]
     if device.type == "cuda":
         images, labels = images.pin_memory(), labels.pin_memory()
@@ -86,17 +83,15 @@ def to_device_batch(
     labels = labels.to(device, non_blocking=True)
     mean = torch.tensor(data.mean, device=device).view(1, -1, 1, 1)
     std = torch.tensor(data.std, device=device).view(1, -1, 1, 1)
-    return ((images.float() / 255 - mean) / std).to(dtype), labels
+    return (images.float() / 255 - mean) / std, labels
 
 
 class GlobalBatchSampler:
-    """Which samples form the global batch of each optimizer step, whatever the world size or strategy.
-
-    Epoch e = (step - 1) // steps_per_epoch is a permutation drawn from (seed, e), cut into consecutive global
-    batches; a data-parallel rank takes a contiguous slice. A function of the step alone: no `set_epoch` to
-    forget (DistributedSampler's trap), and a resume at step s needs only s. The last n % global_batch_size
-    samples of each epoch's permutation sit out that epoch (different ones every epoch).
-    """
+    """Which samples form the global batch of each optimizer step, whatever the world size or strategy. Epoch
+    e = (step - 1) // steps_per_epoch is a permutation drawn from (seed, e), cut into consecutive global batches; a
+    data-parallel rank takes a contiguous slice. A function of the step alone: no `set_epoch` to forget
+    (DistributedSampler's trap), and a resume at step s needs only s. The last n % global_batch_size samples of each
+    epoch's permutation sit out that epoch (different ones every epoch)."""
 
     def __init__(self, n_samples: int, global_batch_size: int, *, seed: int) -> None:
         if global_batch_size > n_samples:

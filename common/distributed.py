@@ -1,5 +1,5 @@
 """Process-group set-up and teardown from torchrun's environment (without torchrun: a world of one, the same code
-path), seeding, rank-aware logging, preemption, and how a process ends (`run`)."""
+path), rank-aware logging, preemption, and how a process ends (`run`)."""
 
 from __future__ import annotations
 
@@ -143,11 +143,6 @@ def teardown_distributed() -> None:
         work.wait()
         meeting.item()  # waits on the host, also for NCCL, whose wait() only orders the GPU stream
     dist.destroy_process_group()
-
-
-def seed_everything(seed: int) -> None:
-    """Seed the RNGs that draw dropout masks and other per-step randomness."""
-    torch.manual_seed(seed)
 
 
 class RankLogger:

@@ -1,7 +1,4 @@
-"""The errors a user can fix. Every entry point turns them into one line and exit code 2 (`fail`)."""
-
-import sys
-from typing import NoReturn
+"""The errors a user can fix. Every entry point turns them into one line and exit code 2 (runner/entry.py's `fail`)."""
 
 
 class UserError(Exception):
@@ -10,12 +7,6 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """A flag has a bad value. The message names the flag and says what to do."""
-
-
-def fail(message: str) -> NoReturn:
-    """Print one error line and exit 2: what every entry point does with a UserError."""
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 class WriteError(Exception):

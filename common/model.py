@@ -20,11 +20,9 @@ if TYPE_CHECKING:
 
 
 class BabyCNN(nn.Sequential):
-    """Two 3x3 convolutions and a classifier; returns logits (cross_entropy applies softmax).
-
-    x [B, 1, 28, 28] -conv1-> [B, 32, 26, 26] -conv2-> [B, 64, 24, 24] -pool-> [B, 64, 12, 12] -flatten->
-    [B, 9216] -fc1-> [B, W] (-hidden1..-> [B, W]) -fc2-> [B, classes]; W: the size's width (baby: 128, no hidden)
-    """
+    """Two 3x3 convolutions and a classifier; returns logits (cross_entropy applies softmax). x [B, 1, 28, 28]
+    -conv1-> [B, 32, 26, 26] -conv2-> [B, 64, 24, 24] -pool-> [B, 64, 12, 12] -flatten-> [B, 9216] -fc1-> [B, W]
+    (-hidden1..-> [B, W]) -fc2-> [B, classes]; W: the size's width (baby: 128, no hidden layer)."""
 
     def __init__(
         self,

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import MODEL_SIZES, VIT_SIZES
+from common.config import MODEL_SIZES
 from common.errors import ConfigError
+from common.vit_sizes import VIT_SIZES
 
 # The input each data set gives the model: channels, image side, classes.
 DATASET_SHAPES = {"digits": (1, 28, 10), "mnist": (1, 28, 10), "fashion-mnist": (1, 28, 10), "cifar10": (3, 32, 10)}

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.compiling import require_compiler
 from common.distributed import collective_device
+from common.optional_checks import require_compiler
 from common.pipeline_layout import PipelineLayout
 
 

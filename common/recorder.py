@@ -1,7 +1,6 @@
 """Everything a run reports, in one object: `<out>/metrics.jsonl` and the console's progress lines, TensorBoard
 (--tensorboard), the profiler (--profile-steps), each rank's memory, `<out>/run.json` and the final line. The
-records and their meaning: the README, "What a run writes".
-"""
+records and their meaning: the README, "What a run writes"."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from common.config import Config
 from common.distributed import DistEnv, Progress, local_part
 from common.errors import WriteError
 from common.runs import latest_checkpoint_line
-from common.training import LossScaler, check_finite
+from common.training import NoLossScaling, check_finite
 
 _OFF = contextlib.nullcontext()  # reusable: entering it does nothing
 
@@ -84,7 +83,7 @@ class RunRecorder:
                 self.peak.starts(step)
             yield step
 
-    def train(self, step: int, *, loss: float, lr: float, grad_norm: float, scaler: LossScaler) -> None:
+    def train(self, step: int, *, loss: float, lr: float, grad_norm: float, scaler: NoLossScaling) -> None:
         """Record optimizer step `step`, whose time ends here. A non-finite loss raises FloatingPointError (the
         loss is reduced over all ranks, so every rank stops together); fp16's records add the loss scale and
         whether the step was skipped (its gradients overflowed: grad_norm null)."""
@@ -225,20 +224,14 @@ def writing(path: str, out_dir: str) -> Iterator[None]:
 
 
 def _open_metrics(out_dir: str, *, keep_up_to: int):
-    """metrics.jsonl, to append to. A resumed run keeps the records up to its first step and drops the later
-    ones (a crash wrote them after the checkpoint it resumes from), so no step appears twice; the kept file
-    replaces the old one in one rename, so a crash here loses nothing."""
+    """metrics.jsonl, to append to: a new one, or a resumed run's, cut back to the step it resumes after."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "metrics.jsonl")
     if not keep_up_to:
         return open(path, "w")  # a new run (a previous one in --out was moved aside), or a restart from step 0
-    keep = []
-    if os.path.exists(path):
-        with open(path) as f:
-            keep = [line for line in f if line.strip() and json.loads(line)["step"] <= keep_up_to]
-    with open(path + ".tmp", "w") as f:
-        f.writelines(keep)
-    os.replace(path + ".tmp", path)
+    from common.resume import cut_metrics  # (only a resumed run)
+
+    cut_metrics(path, keep_up_to)
     return open(path, "a")
 
 

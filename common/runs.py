@@ -1,6 +1,5 @@
-"""Run folders: what a resume may change (a setting that decides the curve must equal the one a checkpoint's
-meta.json records, or metrics.jsonl would silently become two runs), and never losing a previous run. No torch
-here: the runners' preflight makes the same checks before torchrun starts."""
+"""Run folders: their checkpoints, the run's length, and never losing a previous run (what a resume may change:
+common/resume.py). No torch here: the runners' preflight makes the same checks before torchrun starts."""
 
 from __future__ import annotations
 
@@ -10,25 +9,6 @@ import os
 import re
 
 from common.config import Config
-from common.errors import ConfigError
-
-# The settings that decide which weights step s produces: a resume with another value is refused.
-TRAJECTORY = (
-    *("dataset", "train_size", "test_size", "seed", "batch_size"),  # which samples, in which order
-    *("optimizer", "lr", "weight_decay", "warmup_steps", "lr_schedule", "min_lr", "max_grad_norm"),  # the update
-    *("model", "model_size", "patch_size", "heads", "dropout"),  # the model
-    *("precision", "loss_scale", "loss_scale_growth_interval"),  # its arithmetic
-)
-# Settings a resume may change, said once: the layout (a DCP checkpoint loads into any), the length (a decaying
-# --lr-schedule re-timed from here on), the cadences, and what is observed (--compile: kernels, not arithmetic).
-MAY_CHANGE = (
-    *("strategy", "allreduce", "sharding", "shard_units", "cpu_offload", "activation_checkpointing"),
-    *("schedule", "n_microbatches", "stages_per_rank", "dp", "grad_accum_steps"),
-    *("epochs", "max_steps", "log_every", "eval_every", "checkpoint_every", "keep"),
-    *("compile", "profile_steps", "memory_snapshot", "tensorboard", "measure_peak"),
-)
-# Settings that are where and how this launch runs, not what it trains: they change silently.
-FREE = ("data_dir", "out", "resume", "device", "threads", "timeout_s", "preempt_signal")
 
 _COMPLETE = re.compile(r"^step_(\d{7})$")
 # What makes a folder a run's: set aside whole when a new run (no --resume) is started in it.
@@ -71,31 +51,6 @@ def recorded_config(cfg: Config, steps_per_epoch: int) -> dict:
     return {"config": dataclasses.asdict(cfg), "steps_per_epoch": steps_per_epoch}
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def check_resume(cfg: Config, meta: dict, *, world_size: int | None = None) -> str:
-    """Raise ConfigError if `cfg` changes a trajectory setting recorded in checkpoint `meta`; returns the
-    line about the settings it does change ("" when none changed, or the checkpoint records no config)."""
-    recorded = meta.get("config") or {}
-    for name in TRAJECTORY:
-        if name in recorded and recorded[name] != getattr(cfg, name):
-            raise ConfigError(
-                f"{_flag(name)}: the run in {cfg.out} was trained with {_flag(name)} {recorded[name]}, not "
-                f"{getattr(cfg, name)}; resume it with {_flag(name)} {recorded[name]}, or leave out --resume "
-                f"to start a new run (a resume must not mix two runs into one curve)"
-            )
-    changed = [
-        f"{_flag(name)} {recorded[name]} -> {getattr(cfg, name)}"
-        for name in MAY_CHANGE
-        if name in recorded and recorded[name] != getattr(cfg, name)
-    ]
-    if world_size is not None and meta.get("world_size", world_size) != world_size:
-        changed.insert(0, f"{meta['world_size']} -> {world_size} processes")
-    return f"resuming {cfg.out} at step {meta['step']} with {', '.join(changed)}" if changed else ""
-
-
 def total_steps(cfg: Config, steps_per_epoch: int) -> int:
     """The run's length in optimizer steps: --epochs, cut at --max-steps."""
     steps = cfg.epochs * steps_per_epoch
@@ -106,14 +61,10 @@ def already_done(out_dir: str, step: int, steps: int) -> str:
     return f"{out_dir}: already at step {step} of {steps}; nothing to train (raise --max-steps or --epochs)"
 
 
-def holds_a_run(out_dir: str) -> bool:
-    return any(os.path.exists(os.path.join(out_dir, name)) for name in RUN_FILES)
-
-
 def set_aside(out_dir: str) -> str | None:
     """Move a previous run in `out_dir` to the first free `out_dir.N` (N = 1, 2, ...); returns where, or None
     when there was none. The new run then starts in an empty folder: nothing of the old one is lost or mixed."""
-    if not holds_a_run(out_dir):
+    if not any(os.path.exists(os.path.join(out_dir, name)) for name in RUN_FILES):
         return None
     n = 1
     while os.path.exists(f"{out_dir.rstrip(os.sep)}.{n}"):

@@ -53,36 +53,27 @@ def autocast(cfg: Config, device: torch.device):
     return torch.autocast(device.type, dtype=low_precision(cfg) or torch.bfloat16, enabled=cfg.precision != "fp32")
 
 
-class LossScaler:
-    """--precision fp16: the loss is multiplied by `value` before backward, so that small gradients do not flush
-    to zero in fp16, and clip_grad_norm divides it out again. A step whose gradients overflowed (their global norm
-    is not finite) is skipped and `value` halved; after --loss-scale-growth-interval steps without, doubled:
-    torch.amp.GradScaler's rule and defaults. The global norm is the same number on every rank (docs/training.md),
-    so every rank and stage skips together. Without fp16, `value` is 1 and no step is skipped."""
+class NoLossScaling:
+    """fp32 and bf16 scale nothing: every step is taken. With --precision fp16, common/fp16.py's LossScaler takes its
+    place (`loss_scaler`): it has these attributes and methods too, and scales."""
 
-    def __init__(self, cfg: Config) -> None:
-        self.enabled, self.interval = cfg.precision == "fp16", cfg.loss_scale_growth_interval
-        self.value, self.good_steps, self.skipped = cfg.loss_scale if self.enabled else 1.0, 0, False
-        self.used = self.value  # the scale the last step's loss was multiplied by (value may change after it)
+    enabled, skipped, value = False, False, 1.0
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.value if self.enabled else loss
+        return loss
 
     def step(self, optimizer: torch.optim.Optimizer | None, grad_norm: float) -> None:
-        """optimizer.step() unless the gradients overflowed; then the scale for the next step."""
-        self.used, self.skipped = self.value, self.enabled and not math.isfinite(grad_norm)
-        if optimizer and not self.skipped:
+        if optimizer:  # (a pipeline rank whose stages hold no parameters has none)
             optimizer.step()
-        if self.enabled:
-            self.good_steps = 0 if self.skipped else self.good_steps + 1
-            if self.skipped or self.good_steps == self.interval:  # (a power of two stays one: scaling is exact)
-                self.value, self.good_steps = self.value * (0.5 if self.skipped else 2.0), 0
 
-    def state_dict(self) -> dict[str, float]:
-        return {"value": self.value, "good_steps": self.good_steps}
 
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.value, self.good_steps = float(state["value"]), int(state["good_steps"])
+def loss_scaler(cfg: Config) -> NoLossScaling:
+    """What scales the loss: nothing, or with --precision fp16 a LossScaler (common/fp16.py, loaded only then)."""
+    if cfg.precision != "fp16":
+        return NoLossScaling()
+    from common.fp16 import LossScaler
+
+    return LossScaler(cfg)
 
 
 def global_mean(value: torch.Tensor) -> float:
@@ -111,15 +102,13 @@ def evaluate(
     device: torch.device,
     fixed_batch: int = 0,
 ) -> tuple[float, float]:
-    """(test loss, test accuracy) over the whole test set, the same for any world size.
-
-    Each of `parts` evaluators (a rank; a pipeline replica) takes its contiguous shard of the test set, and the
-    sums of losses and hits are reduced over all ranks. `forward(images, labels)` returns the logits, or None on
-    a rank that does not hold them (a pipeline rank without the last stage). Every evaluator makes as many
-    forward calls as the longest shard needs, because sharded models and pipelines communicate inside forward:
-    a shorter shard runs an empty batch or, with `fixed_batch` (a pipeline, whose buffers the first step sized:
-    every batch exactly that size), batches padded with copies of image 0 whose rows are not counted.
-    """
+    """(test loss, test accuracy) over the whole test set, the same for any world size. Each of `parts` evaluators
+    (a rank; a pipeline replica) takes its contiguous shard of the test set, and the sums of losses and hits are
+    reduced over all ranks. `forward(images, labels)` returns the logits, or None on a rank that does not hold them
+    (a pipeline rank without the last stage). Every evaluator makes as many forward calls as the longest shard
+    needs, because sharded models and pipelines communicate inside forward: a shorter shard runs an empty batch or,
+    with `fixed_batch` (a pipeline, whose buffers the first step sized: every batch exactly that size), batches
+    padded with copies of image 0 whose rows are not counted."""
     batch_size = fixed_batch or EVAL_BATCH_SIZE
     shard = shard_range(len(data.test), part, parts)
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, hits, count

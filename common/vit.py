@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from common.config import VIT_SIZES
 from common.model_sizes import check_vit
+from common.vit_sizes import VIT_SIZES
 
 
 class Attention(nn.Module):

@@ -19,10 +19,11 @@ import sys
 import time
 from typing import Sequence
 
-from common.config import MODELS, OPTIMIZERS, Config
-from common.errors import fail
+from common.config import MODEL_SIZES, MODELS, OPTIMIZERS, Config
+from common.vit_sizes import VIT_SIZES
 from planner.plan import ALL_VARIANTS, DEFAULT_VARIANTS, VIT_VARIANTS, Plan, plan
 from planner.report import draw, fitting, table
+from runner.entry import fail
 
 UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -49,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", help="also write every plan here")
     parser.add_argument("--out", help="also draw the plans into this PNG")
     args = parser.parse_args(argv)
-    if args.model_size not in (sizes := MODELS[args.model]):
+    if args.model_size not in (sizes := VIT_SIZES if args.model == "vit" else MODEL_SIZES):
         fail(f"--model-size: unknown {args.model} size {args.model_size!r}; choose one of {', '.join(sizes)}")
     try:
         world_sizes = [int(n) for n in args.world_sizes.split(",")]

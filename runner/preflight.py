@@ -22,8 +22,10 @@ from typing import Sequence
 from common.cli import parse_config
 from common.config import STRATEGIES, Config
 from common.data_files import DataMissingError, ensure_data
-from common.errors import ConfigError, fail
-from common.runs import already_done, check_resume, complete_checkpoints, moved_line, set_aside, total_steps
+from common.errors import ConfigError
+from common.resume import check_resume
+from common.runs import already_done, complete_checkpoints, moved_line, set_aside, total_steps
+from runner.entry import fail
 from runner.layout import check_layout
 from runner.memory import check_memory
 

@@ -30,8 +30,8 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "resume": (
         "common/checkpoint.py",
-        "if (self.cfg.resume or restarted) and (path := latest_checkpoint(self.cfg.out, log=self.log)):",
-        "if False:",
+        "found = resume_point(self.cfg, world_size=dist.get_world_size(), log=self.log)",
+        "found = None",
         [
             *("tests/integration/test_resume.py", "tests/integration/test_tp.py", "tests/integration/test_scale.py"),
             *("tests/integration/test_fp16.py", "tests/integration/test_pippy.py", "tests/integration/test_ddp.py"),
@@ -88,8 +88,8 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "reseeding": (
         "train_ddp.py",
-        "seed_everything(cfg.seed + env.rank)",
-        "seed_everything(cfg.seed)",
+        "torch.manual_seed(cfg.seed + env.rank)",
+        "torch.manual_seed(cfg.seed)",
         ["tests/integration/test_ddp.py", "-k", "dropout"],
     ),
     "accumulation-scale": (

@@ -16,7 +16,8 @@ import json
 import os
 from typing import Any, Sequence
 
-from common.errors import UserError, fail
+from common.errors import UserError
+from runner.entry import fail
 
 COLOURS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
 

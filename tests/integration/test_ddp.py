@@ -254,7 +254,7 @@ def _damaged_copy(runs, tmp_path, damage):
 
 
 def test_a_truncated_checkpoint_is_detected_and_skipped_loudly(runs, tmp_path):
-    from common.checkpoint import latest_checkpoint, verify_checkpoint
+    from common.resume import latest_checkpoint, verify_checkpoint
 
     out = _damaged_copy(runs, tmp_path, lambda f: f.write_bytes(f.read_bytes()[:1000]))
     problem = verify_checkpoint(str(out / "checkpoints" / "step_0000030"))
@@ -328,6 +328,6 @@ def test_a_diverging_run_stops_naming_the_step_and_keeps_its_last_checkpoint(tmp
     assert re.search(
         r"\[rank \d\] error: the (loss is nan|loss is inf|weights are not finite) (at|after) step \d+", proc.stderr
     ), proc.stderr[-2000:]
-    from common.checkpoint import latest_checkpoint
+    from common.resume import latest_checkpoint
 
     assert latest_checkpoint(str(tmp_path)) is not None, "the last good checkpoint must survive"

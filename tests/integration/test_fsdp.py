@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from common.checkpoint import latest_checkpoint, verify_checkpoint
 from common.cli import build_parser
+from common.resume import latest_checkpoint, verify_checkpoint
 from planner.predict import state_bytes_theory
 from tests.helpers import (
     PARITY,

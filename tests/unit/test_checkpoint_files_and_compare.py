@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from common.checkpoint import CheckpointError, checkpoint_dir, fingerprint, latest_checkpoint, verify_checkpoint
+from common.resume import CheckpointError, latest_checkpoint, verify_checkpoint
+from common.runs import checkpoint_dir, fingerprint
 from tools.compare import differences, load_run, main, table_rows
 
 

@@ -79,18 +79,18 @@ def test_without_profile_steps_the_recorder_profiles_nothing(tmp_path):
 
     from common.distributed import DistEnv
     from common.recorder import RunRecorder
-    from common.training import LossScaler
+    from common.training import NoLossScaling
 
     env = DistEnv(rank=1, local_rank=1, world_size=2, local_world_size=2, device=torch.device("cpu"), backend="gloo")
     recorder = RunRecorder(Config(out=str(tmp_path)), env, start_step=0, total_steps=3, parameters=1, logs=False)
     for step in recorder.steps():
         with recorder.span("forward"):
             pass
-        recorder.train(step, loss=1.0, lr=0.1, grad_norm=1.0, scaler=LossScaler(Config()))
+        recorder.train(step, loss=1.0, lr=0.1, grad_norm=1.0, scaler=NoLossScaling())
     assert recorder.profiler is None and recorder.span("a") is recorder.span("b")  # one shared no-op context
     assert list(tmp_path.iterdir()) == []  # a rank that does not log writes nothing
     with pytest.raises(FloatingPointError, match="at step 4"):
-        recorder.train(4, loss=float("nan"), lr=0.1, grad_norm=1.0, scaler=LossScaler(Config()))
+        recorder.train(4, loss=float("nan"), lr=0.1, grad_norm=1.0, scaler=NoLossScaling())
 
 
 def timeline(layout, schedule):

@@ -7,7 +7,8 @@ import pytest
 
 from common.config import Config
 from common.errors import ConfigError
-from common.runs import FREE, MAY_CHANGE, TRAJECTORY, check_resume, recorded_config, set_aside
+from common.resume import FREE, MAY_CHANGE, TRAJECTORY, check_resume
+from common.runs import recorded_config, set_aside
 from runner.preflight import finished_line
 
 

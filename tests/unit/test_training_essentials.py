@@ -9,7 +9,8 @@ import torch
 from common.cli import parse_config
 from common.clipping import clip_grad_norm
 from common.errors import ConfigError
-from common.training import LossScaler, lr_at
+from common.fp16 import LossScaler
+from common.training import loss_scaler, lr_at
 
 
 def lrs(flags: list[str], steps: int) -> list[float]:
@@ -169,7 +170,7 @@ def test_loss_scaler_follows_gradscalers_rule_and_resumes_exactly():
 
 
 def test_loss_scaler_is_inert_without_fp16():
-    scaler = LossScaler(parse_config("ddp", ["--precision", "bf16"]))
+    scaler = loss_scaler(parse_config("ddp", ["--precision", "bf16"]))
     for _ in range(2001):
         scaler.step(None, float("nan"))
     assert (scaler.value, scaler.skipped, scaler.scale(torch.tensor(2.0)).item()) == (1.0, False, 2.0)

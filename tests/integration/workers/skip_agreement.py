@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard
 
 from common.cli import parse_config
 from common.clipping import clip_grad_norm
-from common.training import LossScaler
+from common.training import loss_scaler
 
 
 def gathered(value: float) -> list[float]:
@@ -28,7 +28,7 @@ def gathered(value: float) -> list[float]:
 
 def decisions(cfg, params, *, groups) -> dict[str, list]:
     """What the scripts do: the global norm (unscaled), then LossScaler.step; every rank's decision and scale."""
-    scaler = LossScaler(cfg)
+    scaler = loss_scaler(cfg)
     scaler.step(None, clip_grad_norm(params, 1.0, groups=groups, loss_scale=scaler.value))
     return {"skipped": gathered(scaler.skipped), "scale": gathered(scaler.value)}
 
