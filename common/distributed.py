@@ -7,6 +7,7 @@ import os
 import resource
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
@@ -164,8 +165,9 @@ def run(main: Callable[[], None]) -> None:
     try:
         main()
     except UserError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
+        if rank:  # rank 0 says it; a rank alone in its error says it itself, once rank 0 had time to end the job
+            _stopped_within(seconds=3)
+        print(f"[rank {rank}] error: {e}" if rank else f"error: {e}", file=sys.stderr)
         _exit(2)
     except KeyboardInterrupt:  # (under the runners, the runner's own line replaces this one)
         if rank == 0:
@@ -185,6 +187,13 @@ def run(main: Callable[[], None]) -> None:
             _exit(1)
         raise
     _exit(0)
+
+
+def _stopped_within(*, seconds: float) -> None:  # torchrun stops the others when one rank exits: their lines go
+    for _ in range(int(seconds / 0.05)):
+        if STOP:
+            _exit(128 + STOP[0])
+        time.sleep(0.05)
 
 
 def _exit(code: int) -> None:
