@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         cfg.check(world_size=env.world_size, device_type=env.device.type)
-        check_tp_degree(cfg.model_size, tp=env.world_size // cfg.dp, dp=cfg.dp)  # (the runners check it first)
+        tp = env.world_size // cfg.dp  # (the runners check it first)
+        check_tp_degree(cfg.model_size, tp=tp, dp=cfg.dp, model=cfg.model, heads=cfg.heads)
         train(cfg, env)
     finally:
         teardown_distributed()

@@ -108,8 +108,19 @@ def tp_pairs(size: str) -> list[tuple[str, str]]:
     return list(zip(linears[0::2], linears[1::2]))
 
 
-def check_tp_degree(size: str, *, tp: int, dp: int) -> None:
-    """ConfigError unless `tp` ranks can split the classifier's width (fc1's outputs, the hidden layers')."""
+def check_tp_degree(size: str, *, tp: int, dp: int, model: str = "cnn", heads: int = 0) -> None:
+    """ConfigError unless `tp` ranks can split the classifier's width (fc1's outputs, the hidden layers'), or the
+    ViT's heads and MLP width: each TP rank computes whole heads and its columns of every MLP."""
+    if model == "vit":
+        heads, mlp = heads or VIT_SIZES[size][3], VIT_SIZES[size][4]
+        if heads % tp or mlp % tp:
+            fits = ", ".join(str(n * dp) for n in (1, 2, 4, 8, 16) if heads % n == 0 and mlp % n == 0)
+            raise ConfigError(
+                f"--heads: {heads} heads (MLP width {mlp}) do not split over {tp} TP ranks (world size {tp * dp} / "
+                f"--dp {dp}): each rank computes whole heads; use a number of processes whose TP share divides both "
+                f"(e.g. {fits} processes, NPROC= for run_tp.sh)"
+            )
+        return
     width = MODEL_SIZES[size][0]
     if width % tp:
         fits = ", ".join(str(n * dp) for n in (1, 2, 4, 8) if width % n == 0)

@@ -224,6 +224,11 @@ def test_tp_splits_the_classifier_in_pairs_and_refuses_a_width_it_cannot_split()
         parse_config("tp", ["--dp", "3"], world_size=4)
     with pytest.raises(ConfigError, match="unrecognized arguments: --sharding"):
         parse_config("tp", ["--sharding", "full"])
+    # the ViT: each TP rank computes whole heads, so TP must divide the heads (and the MLP's width), not the width
+    check_layout(parse_config("tp", ["--model", "vit"], world_size=4), 4)  # 4 heads over 4
+    with pytest.raises(ConfigError, match=r"^--heads: 2 heads \(MLP width 256\) do not split over 4 TP ranks .*1, 2 "):
+        check_layout(parse_config("tp", ["--model", "vit", "--heads", "2"], world_size=4), 4)
+    check_layout(parse_config("tp", ["--model", "vit", "--heads", "2", "--dp", "2"], world_size=4), 4)  # 2 x 2
 
 
 # ---------------------------------------------------------------------------------------------- the ViT
