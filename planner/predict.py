@@ -18,7 +18,7 @@ from torch import nn
 
 from common.config import Config
 from common.model import build_model
-from common.model_sizes import input_shape, parameter_count, tp_layer_params, tp_pairs, tp_split_params
+from common.model_sizes import input_shape, parameter_count, tp_layer_params, tp_split_params
 from common.pipeline import split_model
 from common.pipeline_layout import PipelineLayout
 
@@ -120,21 +120,20 @@ def _fsdp_traffic(model: nn.Module, cfg: Config, world_size: int) -> Traffic:
 
 
 def _tp_traffic(model: nn.Module, cfg: Config, world_size: int) -> Traffic:
-    """Per column/row pair and accumulation step, an all-reduce over "tp" of the row-wise layer's output in forward
-    and of the column-wise layer's input gradient in backward; with --dp, FSDP over "dp" of what TP leaves each
-    rank, a unit per block of the model: each gathered before its forward and again before its backward, its
-    gradients reduce-scattered once."""
+    """Per split layer of the model's plan and accumulation step, an all-reduce over "tp": in forward of a
+    row-wise layer's output (the ranks' partial sums), in backward of a column-wise layer's input gradient (q, k
+    and v each their own); with --dp, FSDP over "dp" of what TP leaves each rank, a unit per block of the model:
+    each gathered before its forward and again before its backward, its gradients reduce-scattered once."""
     tp, chunk, steps = world_size // cfg.dp, cfg.chunk_size(world_size), cfg.grad_accum_steps
     found: Traffic = {}
+    plan = model.tp_plan()
+    sizes = _per_sample(model, cfg, plan)
     split_dim = {}  # parameter -> the dim TP splits: a column-wise layer's rows (and bias), a row-wise one's columns
-    for col, row in tp_pairs(cfg.model_size):
-        for features in (getattr(model, row).out_features, getattr(model, col).in_features):
-            add(found, "all_reduce", elements=chunk * features, itemsize=_itemsize(cfg), ranks=tp, times=steps)
-        split_dim |= {
-            id(getattr(model, col).weight): 0,
-            id(getattr(model, col).bias): 0,
-            id(getattr(model, row).weight): 1,
-        }
+    for name, style in plan.items():
+        layer, rowwise = model.get_submodule(name), type(style).__name__ == "RowwiseParallel"
+        elements = chunk * sizes[name][1 if rowwise else 0]  # the output summed, or the input's gradient
+        add(found, "all_reduce", elements=elements, itemsize=_itemsize(cfg), ranks=tp, times=steps)
+        split_dim |= {id(layer.weight): 1} if rowwise else {id(layer.weight): 0, id(layer.bias): 0}
     if cfg.dp > 1:
 
         def shard(p: nn.Parameter) -> int:  # this rank's TP part of p, sharded again over "dp"
@@ -147,6 +146,23 @@ def _tp_traffic(model: nn.Module, cfg: Config, world_size: int) -> Traffic:
             elements = cfg.dp * sum(shard(p) for p in _params(unit))
             add(found, "all_gather", elements=elements, itemsize=4, ranks=cfg.dp, times=2 * steps)
             add(found, "reduce_scatter", elements=elements, itemsize=4, ranks=cfg.dp)
+    return found
+
+
+def _per_sample(model: nn.Module, cfg: Config, names: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """{layer name: (its input's elements, its output's elements)} for one sample, from a forward on meta tensors:
+    a linear's features, times the tokens in a transformer."""
+    found: dict[str, tuple[int, int]] = {}
+    hooks = [
+        model.get_submodule(name).register_forward_hook(
+            lambda _, inputs, out, name=name: found.__setitem__(name, (inputs[0].numel(), out.numel()))  # (None)
+        )
+        for name in names
+    ]
+    channels, side, _ = input_shape(cfg.model, cfg.model_size, cfg.dataset)
+    model(torch.empty(1, channels, side, side, device="meta"))
+    for hook in hooks:
+        hook.remove()
     return found
 
 

@@ -21,6 +21,8 @@ TRAFFIC_RUNS = {
     "fsdp-hybrid": ("fsdp", ["--sharding", "hybrid"]),  # + the shards' all-reduce over the 2 replicas
     "pp-1f1b": ("pippy", []),
     "fsdp-x-tp": ("tp", ["--dp", "2"]),  # TP's all-reduces and FSDP over "dp"
+    "vit-fsdp": ("fsdp", ["--model", "vit"]),  # a unit per block
+    "vit-tp": ("tp", ["--model", "vit"]),  # per block: proj's and fc2's outputs, q's, k's, v's and fc1's inputs
 }
 
 POOLED = {
@@ -88,6 +90,8 @@ def test_predicted_traffic_is_what_the_profiler_saw(runs, name):
         "fsdp-hybrid": {"all_gather", "reduce_scatter", "all_reduce"},
         "pp-1f1b": {"send", "recv"},
         "fsdp-x-tp": {"all_reduce", "all_gather", "reduce_scatter"},
+        "vit-fsdp": {"all_gather", "reduce_scatter"},
+        "vit-tp": {"all_reduce"},
     }
     assert kinds == expected[name]
 
