@@ -74,6 +74,14 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def is_worker(pid: int) -> bool:
+    """A training process of torchrun's (its command line runs train_*.py, not torch.distributed.run)."""
+    with contextlib.suppress(OSError):
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        return any(arg.startswith(b"train_") for arg in command) and b"torch.distributed.run" not in command
+    return False
+
+
 def start_agent(strategy: str, out: Path, port: int, log: Path, **extra: str) -> subprocess.Popen:
     """One "machine": run_<strategy>.sh with NNODES=1:2 on 2 processes, everything it prints into `log`."""
     env = {**env_for_tests(), "NNODES": "1:2", "NPROC": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
@@ -141,7 +149,16 @@ def test_a_machine_joins_and_the_group_grows(reference, tmp_path):
     first, second = start_agent("fsdp", out, port, logs[0]), None  # alone, on 2 processes
     try:
         wait_for(lambda: last_logged_step(out) > 10, first, logs[0])  # past the step-10 checkpoint
+        # the first machine's workers held where they are while the second starts (on a loaded machine they could
+        # finish the run first), and let go when the first agent restarts its group for the second machine
+        held = [pid for pid in descendants(first.pid) if is_worker(pid)]
+        assert len(held) == 2, held
+        for pid in held:
+            os.kill(pid, signal.SIGSTOP)
         second = start_agent("fsdp", out, port, logs[1])
+        wait_for(lambda: "closing signal SIGTERM" in logs[0].read_text(), first, logs[0])
+        for pid in held:
+            os.kill(pid, signal.SIGCONT)  # they take the SIGTERM sent meanwhile: finish the step, save, stop
         for agent, log in ((first, logs[0]), (second, logs[1])):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 agent.wait(timeout=240)  # a deadline, not a duration: the run must end
