@@ -7,11 +7,10 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from common.config import Config
-from common.errors import ConfigError
 from common.model_sizes import parameter_count
 from planner.measure import RankMemory, plan_rank
 from planner.plan import Plan, ranks_to_measure, variant_config
-from runner.layout import check_layout
+from runner.layout import would_start
 
 
 def size(n: float) -> str:
@@ -113,12 +112,7 @@ def largest_batch(p: Plan, memory: int, *, start: int) -> Largest | None:
     def config(per_rank: int) -> Config | None:  # None: a batch the variant cannot split (micro-batches, replicas)
         batch = per_rank * p.world_size  # (a data set of at least one batch: the planner plans a step, not an epoch)
         cfg = variant_config(p.variant, replace(base, batch_size=batch, train_size=max(batch, 12800)), p.world_size)
-        try:
-            replace(cfg).check(world_size=p.world_size)  # (a copy: check settles some fields)
-            check_layout(cfg, p.world_size)
-        except (ConfigError, AttributeError):  # (AttributeError: variant_config's None)
-            return None
-        return cfg
+        return cfg if cfg is not None and would_start(cfg, p.world_size) else None
 
     step = next((b for b in range(1, 1025) if config(b)), None)
     if step is None:

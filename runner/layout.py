@@ -3,7 +3,10 @@ checked before torchrun (runner/preflight.py) and for every alternative the memo
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from common.config import Config
+from common.errors import ConfigError
 from common.model_sizes import DATASET_SHAPES, check_tp_degree, check_vit
 from common.pipeline_layout import PipelineLayout
 
@@ -17,3 +20,14 @@ def check_layout(cfg: Config, world_size: int) -> None:
         check_tp_degree(cfg.model_size, tp=world_size // cfg.dp, dp=cfg.dp, model=cfg.model, heads=cfg.heads)
     if cfg.model == "vit":  # what the ViT's shape allows, as BabyViT checks it when it is built
         check_vit(cfg.model_size, DATASET_SHAPES[cfg.dataset][1], patch=cfg.patch_size, heads=cfg.heads)
+
+
+def would_start(cfg: Config, world_size: int) -> bool:
+    """Whether the scripts would start `cfg` on `world_size` ranks: its flags' checks and its layout's (a
+    ValueError: more pipeline stages than the model has layers to cut)."""
+    try:
+        replace(cfg).check(world_size=world_size)  # (a copy: check settles some fields)
+        check_layout(cfg, world_size)
+    except (ConfigError, ValueError):
+        return False
+    return True

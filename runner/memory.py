@@ -15,7 +15,7 @@ from dataclasses import replace
 from common.config import Config
 from common.errors import ConfigError
 from common.model_sizes import blocks, layers, tp_fsdp_units
-from runner.layout import check_layout
+from runner.layout import would_start
 
 # Memory one CPU training process of this suite takes (torch, the built-in data set, BabyCNN, gloo), rounded up
 # from the peak Pss measured per worker (docs/checkpoints.md, "Too many processes", says how). Larger data sets
@@ -105,7 +105,8 @@ def gpu_mib() -> int | None:
 def check_memory(cfg: Config, *, nproc: int, world_size: int, on_cpu: bool) -> None:
     """ConfigError when the run does not fit: on a CPU, `nproc` processes in the available memory; on GPUs, one
     process in a GPU's memory. `world_size`: the smallest the run may have (a rank then holds the most)."""
-    need_mib = planned_peak_bytes(cfg, world_size) / 2**20 + (MIB_PER_CPU_PROCESS if on_cpu else CUDA_CONTEXT_MIB)
+    runtime = MIB_PER_CPU_PROCESS if on_cpu else CUDA_CONTEXT_MIB
+    need_mib = planned_peak_bytes(cfg, world_size) / 2**20 + runtime
     if on_cpu:
         have, where, total = available_mib(), "are available", nproc * need_mib
     else:
@@ -119,7 +120,6 @@ def check_memory(cfg: Config, *, nproc: int, world_size: int, on_cpu: bool) -> N
             f"{have / 1024:.1f} GiB are available; at most {fit} fit, so use NPROC={max(fit, 1)} or fewer "
             f"(or free memory)"
         )
-    runtime = need_mib - planned_peak_bytes(cfg, world_size) / 2**20
     instead = _what_fits(cfg, nproc=nproc, world_size=world_size, on_cpu=on_cpu, have=have, runtime=runtime)
     each = f"{nproc} processes x ~{need_mib / 1024:.1f} GiB" if on_cpu else f"~{need_mib / 1024:.1f} GiB per GPU"
     strategy = {"ddp": "DDP", "fsdp": f"FSDP {cfg.sharding}", "pippy": "the pipeline", "tp": "TP"}[cfg.strategy]
@@ -137,12 +137,7 @@ def _what_fits(cfg: Config, *, nproc: int, world_size: int, on_cpu: bool, have: 
     model = " --model vit" if cfg.model == "vit" else ""
 
     def each_mib(candidate: Config, ranks: int) -> float | None:  # None: not a run the flags allow
-        try:
-            replace(candidate).check(world_size=ranks)  # (a copy: check settles some fields)
-            check_layout(candidate, ranks)
-            return planned_peak_bytes(candidate, ranks) / 2**20 + runtime
-        except (ConfigError, ValueError):  # (ValueError: more stages than the model has layers to cut)
-            return None
+        return planned_peak_bytes(candidate, ranks) / 2**20 + runtime if would_start(candidate, ranks) else None
 
     blocks = replace(cfg, strategy="fsdp", sharding="full", shard_units="blocks")  # a share, one block whole
     to_blocks = f"bash run_fsdp.sh{model} --model-size {cfg.model_size} --shard-units blocks"
