@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from common.checkpoint import Checkpoints
 from common.cli import parse_config
@@ -29,7 +29,7 @@ from common.config import Config
 from common.data import GlobalBatchSampler, describe_data, load_dataset, to_device_batch
 from common.distributed import DistEnv, RankLogger, run, setup_distributed, teardown_distributed
 from common.model import build_model
-from common.model_sizes import check_tp_degree
+from common.model_sizes import check_tp
 from common.recorder import RunRecorder
 from common.runs import total_steps
 from common.training import autocast, build_optimizer, evaluate, global_mean, loss_scaler, lr_at, set_lr
@@ -42,8 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         cfg.check(world_size=env.world_size, device_type=env.device.type)
-        tp = env.world_size // cfg.dp  # (the runners check it first)
-        check_tp_degree(cfg.model_size, tp=tp, dp=cfg.dp, model=cfg.model, heads=cfg.heads)
+        check_tp(cfg, env.world_size)  # the split and the tokens (the runners check it first)
         train(cfg, env)
     finally:
         teardown_distributed()
@@ -77,13 +76,14 @@ def apply_tp(
     # tp: the first's output is this rank's slice of the features, which the second takes as its input, adds up
     # its partial output with the other TP ranks (an all-reduce) and returns whole. In backward the column-wise
     # layer all-reduces the gradient it returns to the layers before it.
-    # [TP] Every other module with parameters, the outermost that holds no split layer, replicated whole
+    parallelize_module(model, tp_mesh, plan)
+    # [TP] Every module whose parameters the plan left plain tensors, the outermost, replicated whole
     whole: list[str] = []
     for name, module in model.named_modules():
-        apart = all(not (p == name or p.startswith(name + ".") or name.startswith(p + ".")) for p in plan)
-        if name and apart and list(module.parameters()) and not any(name.startswith(w + ".") for w in whole):
+        params, inside = list(module.parameters()), any(name.startswith(w + ".") for w in whole)
+        if params and not inside and not any(isinstance(p, DTensor) for p in params):
             whole.append(name)
-    parallelize_module(model, tp_mesh, {**plan, **{name: ReplicateParallel() for name in whole}})
+    parallelize_module(model, tp_mesh, {name: ReplicateParallel() for name in whole})
     if compile:
         # [TP] After the split, so that the graph has DTensor's collectives in it; before FSDP, as in
         # train_fsdp.py: its hooks stay outside the graph. Static shapes (a graph for the training batch, one
@@ -125,7 +125,7 @@ def train(cfg: Config, env: DistEnv) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     log(f"{type(model).__name__} {cfg.model_size}: {n_params:,} parameters")
     torch.manual_seed(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
-    plan = model.tp_plan()  # [TP] the model says which layers split how
+    plan = model.tp_plan(cfg.sequence_parallel)  # [TP] the model says which layers split how
     dp_mesh = mesh["dp"] if cfg.dp > 1 else None  # [TP] --dp: FSDP x TP, a unit per block of the model
     model = apply_tp(model, mesh["tp"], plan, dp_mesh=dp_mesh, dp_units=model.blocks(), compile=cfg.compile)
     optimizer = build_optimizer(model.parameters(), cfg)
@@ -172,6 +172,9 @@ def train(cfg: Config, env: DistEnv) -> None:
             with recorder.span("backward"):
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
+        # [TP] --sequence-parallel: each rank's LayerNorms saw its own tokens: their gradients are partial sums
+        for p in (p for p in model.parameters() if p.grad is not None and p.grad.placements != p.placements):
+            p.grad = p.grad.redistribute(placements=p.placements)  # an all-reduce (FSDP x TP's reduce does it)
         # [TP] Clip once per step, after the last backward, by the norm of the whole gradient: each split layer's
         # gradient is a DTensor that says over which mesh dims it is sharded, and its squares are added over
         # those; the replicated layers (the convolutions) count once.
@@ -187,7 +190,8 @@ def train(cfg: Config, env: DistEnv) -> None:
             return  # stopped by a preemption signal, with this step's checkpoint
 
     run_eval(steps)
-    recorder.finish(mesh={"dp": cfg.dp, "tp": mesh["tp"].size()}, tp={"split_layers": list(plan)})
+    split_layers = [name for name, style in plan.items() if isinstance(style, (ColwiseParallel, RowwiseParallel))]
+    recorder.finish(mesh={"dp": cfg.dp, "tp": mesh["tp"].size()}, tp={"split_layers": split_layers})
 
 
 if __name__ == "__main__":

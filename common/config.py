@@ -152,6 +152,8 @@ class Config:
     dp: int = 1
     """Pipeline and TP: number of data-parallel replicas (world size = dp x pipeline or TP ranks); TP shards
     its replicas with FSDP (FSDP x TP)."""
+    sequence_parallel: bool = False
+    """TP, --model vit: LayerNorms and residual stream on a share of the tokens per TP rank (docs/tp.md)."""
 
     # --- output, logging, checkpoints ---
     out: str = ""
@@ -216,7 +218,10 @@ class Config:
         need(0 <= self.min_lr <= self.lr, "min-lr", f"must be in [0, --lr {self.lr}], got {self.min_lr}")
         norm = self.max_grad_norm
         need(0 <= norm < float("inf"), "max-grad-norm", f"must be 0 (off) or positive, got {norm}")
-        self.check_loss_scale()
+        scaled = self.precision == "fp16" or (self.loss_scale, self.loss_scale_growth_interval) == (65536.0, 2000)
+        need(scaled, "loss-scale", "only --precision fp16 scales the loss; add it, or drop the flag")
+        power = self.loss_scale >= 1 and math.log2(self.loss_scale).is_integer()  # (False for inf and nan)
+        need(power, "loss-scale", f"must be a power of two, 1 or more (e.g. 65536), got {self.loss_scale}")
         need(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), got {self.dropout}")
         if self.profile_steps or self.memory_snapshot or self.tensorboard:
             from common.optional_checks import check_observability  # only with a flag, like the features themselves
@@ -256,12 +261,6 @@ class Config:
         """build_model's arguments from the flags (the data set gives the images' shape)."""
         vit = {"patch_size": self.patch_size, "heads": self.heads} if self.model == "vit" else {}
         return {"model": self.model, "size": self.model_size, "seed": self.seed, "dropout": self.dropout, **vit}
-
-    def check_loss_scale(self) -> None:
-        if self.precision != "fp16" and (self.loss_scale, self.loss_scale_growth_interval) != (65536.0, 2000):
-            raise ConfigError("--loss-scale: only --precision fp16 scales the loss; add it, or drop the flag")
-        if not (self.loss_scale >= 1 and math.log2(self.loss_scale).is_integer()):  # (False for inf and nan)
-            raise ConfigError(f"--loss-scale: must be a power of two, 1 or more (e.g. 65536), got {self.loss_scale}")
 
     def check_world_size(self, world_size: int) -> None:
         """The checks that need the number of processes: every rank must get an equal share of a batch. (What a
@@ -324,4 +323,5 @@ STRATEGY_FLAGS = {
     **dict.fromkeys(("sharding", "shard_units", "cpu_offload", "activation_checkpointing"), ("fsdp",)),
     **dict.fromkeys(("schedule", "n_microbatches", "stages_per_rank"), ("pippy",)),
     "dp": ("pippy", "tp"),
+    "sequence_parallel": ("tp",),
 }

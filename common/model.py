@@ -60,10 +60,10 @@ class BabyCNN(nn.Sequential):
         starts = [0, names.index("flatten"), *(i for i, name in enumerate(names) if name.startswith("hidden"))]
         return [[self._modules[n] for n in names[a:b]] for a, b in zip(starts, [*starts[1:], len(names)])]
 
-    def tp_plan(self) -> dict[str, ParallelStyle]:
+    def tp_plan(self, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
         """Tensor parallelism's plan: the classifier's linear layers in pairs, the first split by its outputs
         (column-wise), the second by its inputs (row-wise: the TP ranks' partial outputs are summed), as Megatron
-        splits an MLP. An odd last one and the convolutions stay whole on every TP rank."""
+        splits an MLP. An odd last one and the convolutions stay whole on every TP rank (no `sequence_parallel`)."""
         linears = [name for name, layer in self.named_children() if isinstance(layer, nn.Linear)]
         pairs = zip(linears[0::2], linears[1::2])
         return {name: style() for pair in pairs for name, style in zip(pair, (ColwiseParallel, RowwiseParallel))}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import MODEL_SIZES
+from common.config import MODEL_SIZES, Config
 from common.errors import ConfigError
 from common.vit_sizes import VIT_SIZES
 
@@ -106,6 +106,28 @@ def tp_pairs(size: str) -> list[tuple[str, str]]:
     the next, and so on. An odd last one (fc2 after an even number of hidden layers) is not in a pair."""
     linears = ["fc1", *(f"hidden{i}" for i in range(1, MODEL_SIZES[size][1])), "fc2"]
     return list(zip(linears[0::2], linears[1::2]))
+
+
+def check_tp(cfg: Config, world_size: int) -> None:
+    """What train_tp.py's split needs of the model (`check_tp_degree`) and, with --sequence-parallel, of the
+    ViT's tokens: every TP rank an equal share of them. The runners check it before torchrun, the script after."""
+    tp = world_size // cfg.dp
+    check_tp_degree(cfg.model_size, tp=tp, dp=cfg.dp, model=cfg.model, heads=cfg.heads)
+    if cfg.sequence_parallel and cfg.model == "cnn":
+        raise ConfigError("--sequence-parallel: a flag of the ViT (--model vit); BabyCNN has no tokens: drop it")
+    if not cfg.sequence_parallel:
+        return
+    side = input_shape(cfg.model, cfg.model_size, cfg.dataset)[1]
+    patch = cfg.patch_size or VIT_SIZES[cfg.model_size][0]
+    if (tokens := (side // patch) ** 2) % tp:
+        fits = [
+            f"{p} ({(side // p) ** 2} tokens)" for p in range(2, side) if side % p == 0 and (side // p) ** 2 % tp == 0
+        ]
+        raise ConfigError(
+            f"--sequence-parallel: the {tokens} tokens of {side} x {side} images in {patch} x {patch} patches do not "
+            f"split over {tp} TP ranks; use a --patch-size whose tokens they divide ({', '.join(fits) or 'none'}), "
+            f"or drop --sequence-parallel"
+        )
 
 
 def check_tp_degree(size: str, *, tp: int, dp: int, model: str = "cnn", heads: int = 0) -> None:

@@ -93,6 +93,8 @@ C10D_OPS = {
     "c10d::allreduce_": ("all_reduce", 0),
     "c10d::_allgather_base_": ("all_gather", 0),
     "c10d::_reduce_scatter_base_": ("reduce_scatter", 1),
+    "c10d::allgather_into_tensor_coalesced_": ("all_gather", 0),  # DTensor's (sequence parallel)
+    "c10d::reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
     "c10d::send": ("send", 0),
     "c10d::recv_": ("recv", 0),
     "c10d::broadcast_": ("broadcast", 0),

@@ -8,7 +8,14 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from common.model_sizes import check_vit
 from common.vit_sizes import VIT_SIZES
@@ -99,13 +106,28 @@ class BabyViT(nn.Sequential):
         """The transformer blocks, in order: a unit each for FSDP (the embedding and the head stay with the root)."""
         return [layer for name, layer in self.named_children() if name.startswith("block")]
 
-    def tp_plan(self) -> dict[str, ParallelStyle]:
+    def tp_plan(self, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
         """Megatron's split of every block: q, k and v by columns (each TP rank its heads), the attention's output
-        projection by rows (the ranks' partial outputs summed); the MLP's first layer by columns, its second by rows."""
+        projection by rows (the ranks' partial outputs summed); the MLP's first layer by columns, its second by rows.
+        With `sequence_parallel`, what runs between them runs on this rank's 1/tp of the tokens: the LayerNorms
+        and the residual stream; an all-gather of the tokens before the attention and the MLP, whose output sums
+        become reduce-scatters (docs/tp.md). The embedding and the head run whole on every rank either way."""
         plan: dict[str, ParallelStyle] = {}
-        for name, _ in self.named_children():
-            if name.startswith("block"):
-                plan |= {f"{name}.attn.{p}": ColwiseParallel() for p in ("q", "k", "v")}
-                plan |= {f"{name}.attn.proj": RowwiseParallel(), f"{name}.mlp.fc1": ColwiseParallel()}
-                plan[f"{name}.mlp.fc2"] = RowwiseParallel()
+        tokens, gathered = Shard(1), Replicate()  # [B, T, D] cut by its tokens, or whole on every TP rank
+        summed = tokens if sequence_parallel else gathered  # the row-wise sums: reduce-scattered, or all-reduced
+        for name in (name for name, _ in self.named_children() if name.startswith("block")):
+            plan |= {f"{name}.attn.{p}": ColwiseParallel() for p in ("q", "k", "v")}
+            plan |= {f"{name}.attn.proj": RowwiseParallel(output_layouts=summed), f"{name}.mlp.fc1": ColwiseParallel()}
+            plan[f"{name}.mlp.fc2"] = RowwiseParallel(output_layouts=summed)
+            if sequence_parallel:  # the norms on this rank's tokens; the attention and the MLP gather them
+                plan |= {f"{name}.{norm}": SequenceParallel() for norm in ("norm1", "norm2")}
+                gather = PrepareModuleInput(input_layouts=tokens, desired_input_layouts=gathered)
+                plan |= {f"{name}.attn": gather, f"{name}.mlp": gather}
+        if sequence_parallel:  # the embedding's output cut by tokens (no traffic), the head's input gathered
+            plan["block0"] = PrepareModuleInput(
+                input_layouts=gathered, desired_input_layouts=tokens, use_local_output=True
+            )
+            plan["head"] = PrepareModuleInput(
+                input_layouts=tokens, desired_input_layouts=gathered, use_local_output=True
+            )
         return plan

@@ -173,7 +173,9 @@ def _tp_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
     with fake_mode(), mock.patch.object(DeviceMesh, "_concatenate", staticmethod(concatenate_for_real)):
         model = _model(cfg)
         dp_mesh = mesh["dp"] if cfg.dp > 1 else None
-        model = apply_tp(model, mesh["tp"], model.tp_plan(), dp_mesh=dp_mesh, dp_units=model.blocks())
+        model = apply_tp(
+            model, mesh["tp"], model.tp_plan(cfg.sequence_parallel), dp_mesh=dp_mesh, dp_units=model.blocks()
+        )
         optimizer = build_optimizer(model.parameters(), cfg)
 
         def step() -> None:

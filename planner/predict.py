@@ -120,20 +120,43 @@ def _fsdp_traffic(model: nn.Module, cfg: Config, world_size: int) -> Traffic:
 
 
 def _tp_traffic(model: nn.Module, cfg: Config, world_size: int) -> Traffic:
-    """Per split layer of the model's plan and accumulation step, an all-reduce over "tp": in forward of a
-    row-wise layer's output (the ranks' partial sums), in backward of a column-wise layer's input gradient (q, k
-    and v each their own); with --dp, FSDP over "dp" of what TP leaves each rank, a unit per block of the model:
-    each gathered before its forward and again before its backward, its gradients reduce-scattered once."""
-    tp, chunk, steps = world_size // cfg.dp, cfg.chunk_size(world_size), cfg.grad_accum_steps
+    """Per accumulation step, what the model's plan moves over "tp": a row-wise layer's output summed (an
+    all-reduce, or with sequence parallel a reduce-scatter by tokens and in backward an all-gather of its gradient);
+    in backward a column-wise layer's input gradient summed (q, k and v each their own), unless its module's input
+    was gathered by tokens, whose gradient is then reduce-scattered once; a gather before the head, and the cut after
+    the embedding in backward, an all-gather; per step, the sequence-parallel LayerNorms' gradients all-reduced.
+    With --dp, FSDP over "dp" of what TP leaves each rank, a unit per block of the model: each gathered before its
+    forward and again before its backward, its gradients reduce-scattered once; the root's (what no block holds)
+    gathered once."""
+    tp, chunk, steps, item = world_size // cfg.dp, cfg.chunk_size(world_size), cfg.grad_accum_steps, _itemsize(cfg)
     found: Traffic = {}
-    plan = model.tp_plan()
+    plan = model.tp_plan(cfg.sequence_parallel)
     sizes = _per_sample(model, cfg, plan)
+
+    def move(kind: str, name: str, which: int) -> None:  # the input (0) or output (1) of `name`, per chunk
+        add(found, kind, elements=chunk * sizes[name][which], itemsize=item, ranks=tp, times=steps)
+
     split_dim = {}  # parameter -> the dim TP splits: a column-wise layer's rows (and bias), a row-wise one's columns
     for name, style in plan.items():
-        layer, rowwise = model.get_submodule(name), type(style).__name__ == "RowwiseParallel"
-        elements = chunk * sizes[name][1 if rowwise else 0]  # the output summed, or the input's gradient
-        add(found, "all_reduce", elements=elements, itemsize=_itemsize(cfg), ranks=tp, times=steps)
-        split_dim |= {id(layer.weight): 1} if rowwise else {id(layer.weight): 0, id(layer.bias): 0}
+        kind, module = type(style).__name__, model.get_submodule(name)
+        if kind == "RowwiseParallel":
+            by_tokens = style.output_layouts[0].is_shard()
+            for collective in ("reduce_scatter", "all_gather") if by_tokens else ("all_reduce",):
+                move(collective, name, 1)
+            split_dim[id(module.weight)] = 1
+        elif kind == "ColwiseParallel":
+            gathered = type(plan.get(name.rsplit(".", 1)[0])).__name__ == "PrepareModuleInput"
+            if not gathered:
+                move("all_reduce", name, 0)
+            split_dim |= {id(module.weight): 0, id(module.bias): 0}
+        elif kind == "PrepareModuleInput":  # a gather of the tokens; its gradient reduce-scattered unless the
+            # module computes whole on every rank (the head); or the cut after the embedding, gathered in backward
+            move("all_gather", name, 0)
+            if style.desired_input_layouts[0].is_replicate() and not style.use_local_output:
+                move("reduce_scatter", name, 0)
+        elif kind == "SequenceParallel":
+            for p in module.parameters():
+                add(found, "all_reduce", elements=p.numel(), itemsize=4, ranks=tp)
     if cfg.dp > 1:
 
         def shard(p: nn.Parameter) -> int:  # this rank's TP part of p, sharded again over "dp"
@@ -142,10 +165,12 @@ def _tp_traffic(model: nn.Module, cfg: Config, world_size: int) -> Traffic:
                 shape[split_dim[id(p)]] //= tp
             return padded_shard(tuple(shape), cfg.dp)
 
-        for unit in model.blocks():
-            elements = cfg.dp * sum(shard(p) for p in _params(unit))
-            add(found, "all_gather", elements=elements, itemsize=4, ranks=cfg.dp, times=2 * steps)
-            add(found, "reduce_scatter", elements=elements, itemsize=4, ranks=cfg.dp)
+        in_blocks = {id(p) for unit in model.blocks() for p in _params(unit)}
+        root = [p for p in model.parameters() if id(p) not in in_blocks]  # (the ViT's embedding and head)
+        for params, gathers in [*((_params(unit), 2) for unit in model.blocks()), (root, 1)]:
+            if elements := cfg.dp * sum(shard(p) for p in params):
+                add(found, "all_gather", elements=elements, itemsize=4, ranks=cfg.dp, times=gathers * steps)
+                add(found, "reduce_scatter", elements=elements, itemsize=4, ranks=cfg.dp)
     return found
 
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from common.config import Config
 from common.errors import ConfigError
-from common.model_sizes import DATASET_SHAPES, check_tp_degree, check_vit
+from common.model_sizes import DATASET_SHAPES, check_tp, check_vit
 from common.pipeline_layout import PipelineLayout
 
 
@@ -17,7 +17,7 @@ def check_layout(cfg: Config, world_size: int) -> None:
     if cfg.strategy == "pippy":
         PipelineLayout.of(cfg, world_size).check(chunk_size=cfg.chunk_size(world_size), compile=cfg.compile)
     if cfg.strategy == "tp":
-        check_tp_degree(cfg.model_size, tp=world_size // cfg.dp, dp=cfg.dp, model=cfg.model, heads=cfg.heads)
+        check_tp(cfg, world_size)
     if cfg.model == "vit":  # what the ViT's shape allows, as BabyViT checks it when it is built
         check_vit(cfg.model_size, DATASET_SHAPES[cfg.dataset][1], patch=cfg.patch_size, heads=cfg.heads)
 

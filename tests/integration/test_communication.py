@@ -23,6 +23,10 @@ TRAFFIC_RUNS = {
     "fsdp-x-tp": ("tp", ["--dp", "2"]),  # TP's all-reduces and FSDP over "dp"
     "vit-fsdp": ("fsdp", ["--model", "vit"]),  # a unit per block
     "vit-tp": ("tp", ["--model", "vit"]),  # per block: proj's and fc2's outputs, q's, k's, v's and fc1's inputs
+    # per block: the tokens gathered before attention and MLP, proj's and fc2's sums reduce-scattered (and the
+    # reverse in backward), the norms' gradients all-reduced; the cut after the embedding, the head's gather
+    "vit-tp-sp": ("tp", ["--model", "vit", "--sequence-parallel"]),
+    "vit-fsdp-x-tp-sp": ("tp", ["--model", "vit", "--sequence-parallel", "--dp", "2"]),
 }
 
 POOLED = {
@@ -92,6 +96,8 @@ def test_predicted_traffic_is_what_the_profiler_saw(runs, name):
         "fsdp-x-tp": {"all_reduce", "all_gather", "reduce_scatter"},
         "vit-fsdp": {"all_gather", "reduce_scatter"},
         "vit-tp": {"all_reduce"},
+        "vit-tp-sp": {"all_gather", "reduce_scatter", "all_reduce"},
+        "vit-fsdp-x-tp-sp": {"all_gather", "reduce_scatter", "all_reduce"},
     }
     assert kinds == expected[name]
 

@@ -132,6 +132,12 @@ def test_bf16_computes_in_bf16_and_follows_fp32_closely(runs, reference):
         ({"NPROC": "3"}, [], "--model-size baby: its classifier's width 128 does not split over 3 TP ranks"),
         ({"NPROC": "4"}, ["--dp", "3"], "--dp: 3 does not divide the world size 4"),
         ({"NPROC": "4"}, ["--dp", "2", "--batch-size", "63"], "does not split evenly over 2 data-parallel replicas"),
+        ({"NPROC": "4"}, ["--sequence-parallel"], "--sequence-parallel: a flag of the ViT (--model vit)"),
+        (
+            {"NPROC": "4"},
+            ["--model", "vit", "--sequence-parallel", "--patch-size", "4"],
+            "--sequence-parallel: the 49 tokens of 28 x 28 images in 4 x 4 patches do not split over 4 TP ranks",
+        ),
     ],
 )
 def test_bad_input_is_one_line_before_torchrun(tmp_path, env, flags, named):

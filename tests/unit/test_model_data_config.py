@@ -229,6 +229,12 @@ def test_tp_splits_the_classifier_in_pairs_and_refuses_a_width_it_cannot_split()
     with pytest.raises(ConfigError, match=r"^--heads: 2 heads \(MLP width 256\) do not split over 4 TP ranks .*1, 2 "):
         check_layout(parse_config("tp", ["--model", "vit", "--heads", "2"], world_size=4), 4)
     check_layout(parse_config("tp", ["--model", "vit", "--heads", "2", "--dp", "2"], world_size=4), 4)  # 2 x 2
+    # sequence parallel: every TP rank an equal share of the tokens (16 in 7 x 7 patches; 49 in 4 x 4)
+    sp = ["--model", "vit", "--sequence-parallel"]
+    check_layout(parse_config("tp", sp, world_size=4), 4)
+    with pytest.raises(ConfigError, match=r"^--sequence-parallel: the 49 tokens .* over 4 TP ranks.* 7 \(16 tokens\)"):
+        check_layout(parse_config("tp", [*sp, "--patch-size", "4"], world_size=4), 4)
+    check_layout(parse_config("tp", [*sp, "--patch-size", "4", "--dp", "4"], world_size=4), 4)  # 1 TP rank
 
 
 # ---------------------------------------------------------------------------------------------- the ViT
