@@ -4,12 +4,14 @@
     bash run_pippy.sh --schedule interleaved-1f1b --stages-per-rank 2  # 8 stages, 2 per rank
     bash run_pippy.sh --schedule zbv --stages-per-rank 2               # zero bubble, stages in a V
     bash run_pippy.sh --dp 2                                           # 2 replicas x 2 stages (2-D mesh)
+    NPROC=8 bash run_pippy.sh --model vit --dp 2 --tp 2                # FSDP x PP x TP, a 3-D mesh (docs/mesh.md)
     torchrun --standalone --nproc-per-node 4 train_pippy.py            # the same as the first, by hand
 
 The model is cut into consecutive stages, each rank holds one or more, and each replica's share of the
 global batch streams through them in micro-batches in the order the schedule decides; the idle time (the
 bubble) is measured into run.json and bubble.jsonl (docs/pipeline.md). Lines specific to pipelining are
-marked `# [PP]`.
+marked `# [PP]`; with --tp, each stage's blocks are also split by heads over the TP ranks, by train_tp.py's wrap
+(`# [TP]`), and sharded over the replicas by FSDP: the 3-D mesh of docs/mesh.md.
 """
 
 from collections import OrderedDict
@@ -23,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as pp
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from common.checkpoint import Checkpoints
 from common.cli import parse_config
@@ -31,12 +34,14 @@ from common.config import Config
 from common.data import GlobalBatchSampler, describe_data, load_dataset, to_device_batch
 from common.distributed import DistEnv, RankLogger, run, setup_distributed, teardown_distributed
 from common.model import build_model
+from common.model_sizes import check_tp
 from common.pipeline import compile_stages, describe_cut, eval_forward, split_model, stage_output_shapes
 from common.pipeline_actions import StageActions
 from common.pipeline_layout import PipelineLayout
 from common.recorder import RunRecorder
 from common.runs import total_steps
 from common.training import autocast, build_optimizer, evaluate, loss_scaler, lr_at, set_lr
+from train_tp import apply_tp
 
 # [PP] The schedules, by --schedule (docs/pipeline.md draws each)
 SCHEDULES = {
@@ -59,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg.check(world_size=env.world_size, device_type=env.device.type)
         layout = PipelineLayout.of(cfg, env.world_size)  # what the pipeline needs (the runners check it first)
         layout.check(chunk_size=cfg.chunk_size(env.world_size), compile=cfg.compile)
+        check_tp(cfg, env.world_size)  # --tp: what the split needs of the model
         train(cfg, env)
     finally:
         teardown_distributed()
@@ -71,14 +77,18 @@ def apply_pipeline(
     device: torch.device,
     *,
     dp_mesh: DeviceMesh | None = None,
+    tp_mesh: DeviceMesh | None = None,
+    tp_plan: dict[str, ParallelStyle] | None = None,
     io_shapes: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
 ) -> list[PipelineStage]:
     """[PP] The wrap: a PipelineStage for each stage this rank holds (`modules`: {stage index: its module}, of
-    `n_stages` in all), talking to the other ranks of its pipeline over `pp_group`; with `dp_mesh`, each stage
-    FSDP2-sharded across the pipeline replicas. `io_shapes` ({stage: (input shape, output shape)} of one
-    micro-batch) spares the stages inferring them at the first step (python -m planner's fake process group
-    cannot)."""
+    `n_stages` in all), talking to the other ranks of its pipeline over `pp_group`; with `tp_mesh`, each stage's
+    layers of `tp_plan` split over it first (train_tp.py's wrap); with `dp_mesh`, each stage FSDP2-sharded across
+    the pipeline replicas. `io_shapes` ({stage: (input shape, output shape)} of one micro-batch) spares the stages
+    inferring them at the first step (python -m planner's fake process group cannot)."""
     for module in modules.values():
+        if tp_mesh is not None:  # [TP] this stage's part of the plan (its layers' names are the whole model's)
+            apply_tp(module, tp_mesh, {name: s for name, s in tp_plan.items() if name.split(".")[0] in module._modules})
         if dp_mesh is not None and list(module.parameters()):  # (a parameter-free stage has nothing to shard)
             # [PP] FSDP2 across the replicas holding this stage. Not resharding after forward: the schedule
             # runs several micro-batch forwards per step; the pipeline reshards after the step's last backward
@@ -107,14 +117,15 @@ def make_schedule(name: str, stages: list[PipelineStage], n_microbatches: int, l
 
 def train(cfg: Config, env: DistEnv) -> None:
     layout = PipelineLayout.of(cfg, env.world_size)  # [PP] ranks per pipeline, stages, which rank holds which
-    # [PP] A 2-D mesh: "dp" the pipeline replicas, "pp" one pipeline's ranks (rank = replica * pp_size + pp_rank)
-    mesh = init_device_mesh(env.device.type, (layout.dp, layout.pp_size), mesh_dim_names=("dp", "pp"))
+    # [PP] The mesh: "dp" the pipeline replicas, "pp" one pipeline's ranks, "tp" (--tp) the ranks splitting each
+    # stage, innermost: rank = (replica * pp_size + pp_rank) * tp + tp_rank, a stage's TP ranks neighbours
+    mesh = init_device_mesh(env.device.type, (layout.dp, layout.pp_size, cfg.tp), mesh_dim_names=("dp", "pp", "tp"))
     replica, pp_rank, pp_group = mesh.get_local_rank("dp"), mesh.get_local_rank("pp"), mesh.get_group("pp")
     my_stages = layout.stages_of(pp_rank)
     holds_first, holds_last = 0 in my_stages, layout.n_stages - 1 in my_stages
     # The loss exists only on the last stage: replica 0's last-stage rank logs and writes run.json. That
     # is pipeline rank p-1, except with the V schedules, which put the last stage back on rank 0.
-    is_logger = holds_last and replica == 0
+    is_logger = holds_last and replica == 0 and mesh.get_local_rank("tp") == 0
     log = RankLogger(is_logger)
     log(f"pipeline | {layout}, {cfg.schedule} on {env.device.type}/{env.backend} | torch {torch.__version__}")
 
@@ -137,10 +148,11 @@ def train(cfg: Config, env: DistEnv) -> None:
     shapes = stage_output_shapes(pieces, data.train.images[:1].float(), batch_size=chunk_size)  # for evaluation
     torch.manual_seed(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
     modules = {i: pieces[i].to(env.device) for i in my_stages}  # [PP] this rank's stages only
+    plan = model.tp_plan()  # [TP] (--tp) which layers split how, by their names in the whole model
     if cfg.compile:  # [PP] a graph per stage module: the send/recv between stages stays outside the graphs
         compile_stages(list(modules.values()), env.device)
-    dp_mesh = mesh["dp"] if layout.dp > 1 else None
-    stages = apply_pipeline(modules, layout.n_stages, pp_group, env.device, dp_mesh=dp_mesh)  # [PP]
+    dp, tp = (mesh[dim] if mesh[dim].size() > 1 else None for dim in ("dp", "tp"))  # [PP] FSDP, TP (--dp, --tp)
+    stages = apply_pipeline(modules, layout.n_stages, pp_group, env.device, dp_mesh=dp, tp_mesh=tp, tp_plan=plan)
     scaler = loss_scaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -152,9 +164,7 @@ def train(cfg: Config, env: DistEnv) -> None:
     schedule = make_schedule(cfg.schedule, stages, cfg.n_microbatches, loss_fn)  # [PP]
     # This rank's layers under their own names (conv1.weight, ...), as in the whole model: the module
     # that optimizer and checkpoints see, so a checkpoint of any strategy loads into any other.
-    local_model = nn.Sequential(
-        OrderedDict((name, layer) for i in sorted(modules) for name, layer in modules[i].named_children())
-    )
+    local_model = nn.Sequential(OrderedDict((n, m) for i in sorted(modules) for n, m in modules[i].named_children()))
     params = list(local_model.parameters())
     # A rank whose stages have no parameters (pooling, activations) has no optimizer at all.
     optimizer = build_optimizer(params, cfg) if params else None
@@ -209,7 +219,7 @@ def train(cfg: Config, env: DistEnv) -> None:
                 )
             # empty unless this rank holds the last stage; fp16: unscaled (exact: the scale is a power of two)
             loss_sum += sum(loss.detach() for loss in losses) / scaler.value
-        # [PP] The loss reaches every rank: the last-stage ranks hold their replica's mean, the others 0.
+        # [PP] The loss reaches every rank: the last-stage ranks hold their replica's mean (each TP rank), others 0.
         # This all-reduce also ends the step's pipeline window on every rank at the same moment.
         dist.all_reduce(loss_sum)
         actions.end_step()  # [PP] the window closes, at the same moment on every rank
@@ -221,7 +231,7 @@ def train(cfg: Config, env: DistEnv) -> None:
         with recorder.span("optimizer"):
             # [PP] Every stage has the same norm: an fp16 overflow in any stage skips the step on every rank
             scaler.step(optimizer, grad_norm)  # (and every rank's scale stays the same, also one without parameters)
-        recorder.train(step, loss=loss_sum.item() / cfg.dp, lr=lr, grad_norm=grad_norm, scaler=scaler)
+        recorder.train(step, loss=loss_sum.item() / (cfg.dp * cfg.tp), lr=lr, grad_norm=grad_norm, scaler=scaler)
         if recorder.eval_due(step):
             run_eval(step)
         if checkpoints.end_of_step(step, recorder):
@@ -234,7 +244,7 @@ def train(cfg: Config, env: DistEnv) -> None:
     )
     evaluation = "stage by stage (send/recv)" if layout.local_handoff else "schedule.eval()"
     pipeline = {**layout.describe(), "logging_rank": env.rank, "bubble": bubble, "evaluation": evaluation}
-    recorder.finish(pipeline=pipeline)
+    recorder.finish(pipeline=pipeline, mesh=dict(zip(mesh.mesh_dim_names, mesh.shape)))
 
 
 if __name__ == "__main__":

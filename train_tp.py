@@ -96,9 +96,9 @@ def apply_tp(
         for unit in dp_units:
             fully_shard(unit, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
-        # FSDP warns, every forward, that the logits are a view (TP's to_local() of the last layer's output):
-        # only an in-place change of them would matter, and nothing makes one
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    # FSDP (here, or a pipeline's over its replicas) warns, every forward, that the output is a view (TP's
+    # to_local() of the last layer's output): only an in-place change of it would matter, and nothing makes one
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     return model
 
 

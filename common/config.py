@@ -45,7 +45,7 @@ CHOICES = {  # flag -> (what it names, its values)
 # Counts that must be at least 1, and those where 0 means something of its own (said in the error)
 AT_LEAST_ONE = (
     *("train_size", "test_size", "batch_size", "grad_accum_steps", "log_every", "timeout_s"),
-    *("n_microbatches", "stages_per_rank", "dp", "loss_scale_growth_interval"),
+    *("n_microbatches", "stages_per_rank", "dp", "tp", "loss_scale_growth_interval"),
 )
 ZERO_MEANS = {
     "epochs": "the model's own",
@@ -152,6 +152,8 @@ class Config:
     dp: int = 1
     """Pipeline and TP: number of data-parallel replicas (world size = dp x pipeline or TP ranks); TP shards
     its replicas with FSDP (FSDP x TP)."""
+    tp: int = 1
+    """Pipeline, --model vit: TP ranks splitting each stage's blocks (world size = dp x pipeline x TP ranks)."""
     sequence_parallel: bool = False
     """TP, --model vit: LayerNorms and residual stream on a share of the tokens per TP rank (docs/tp.md)."""
 
@@ -267,11 +269,10 @@ class Config:
         pipeline's or TP's layout needs, they check themselves, in train_pippy.py and train_tp.py, and the
         runners' preflight before torchrun.)"""
         replicas = self.data_parallel_size(world_size)
-        if self.strategy in ("pippy", "tp") and world_size % self.dp:
-            raise ConfigError(
-                f"--dp: {self.dp} does not divide the world size {world_size}; "
-                f"use a --dp that divides the number of processes"
-            )
+        if self.strategy in ("pippy", "tp") and world_size % (self.dp * self.tp):
+            what = f"{self.dp}" if self.tp == 1 else f"{self.dp} x --tp {self.tp} = {self.dp * self.tp}"
+            use = "a --dp that divides it" if self.tp == 1 else "a --dp and a --tp whose product divides it"
+            raise ConfigError(f"--dp: {what} does not divide the world size {world_size}; use {use}")
         if (self.batch_size // self.grad_accum_steps) % replicas:
             what = "data-parallel replicas (--dp)" if self.strategy in ("pippy", "tp") else "processes"
             raise ConfigError(
@@ -294,8 +295,7 @@ class Config:
         return self.dp if self.strategy in ("pippy", "tp") else world_size
 
     def chunk_size(self, world_size: int) -> int:
-        """Samples one data-parallel rank (a pipeline: one replica) runs in one accumulation step: its share of
-        the global batch, divided by --grad-accum-steps. The pipeline cuts it into --n-microbatches."""
+        """Samples a data-parallel rank (pipeline, TP: replica) runs per accumulation step (then micro-batches)."""
         return self.batch_size // self.data_parallel_size(world_size) // self.grad_accum_steps
 
     def batch_split(self, world_size: int) -> str:
@@ -321,7 +321,7 @@ def batch_larger_than_data(batch_size: int, n_samples: int) -> str:
 STRATEGY_FLAGS = {
     "allreduce": ("ddp",),
     **dict.fromkeys(("sharding", "shard_units", "cpu_offload", "activation_checkpointing"), ("fsdp",)),
-    **dict.fromkeys(("schedule", "n_microbatches", "stages_per_rank"), ("pippy",)),
+    **dict.fromkeys(("schedule", "n_microbatches", "stages_per_rank", "tp"), ("pippy",)),
     "dp": ("pippy", "tp"),
     "sequence_parallel": ("tp",),
 }

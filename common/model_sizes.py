@@ -110,8 +110,17 @@ def tp_pairs(size: str) -> list[tuple[str, str]]:
 
 def check_tp(cfg: Config, world_size: int) -> None:
     """What train_tp.py's split needs of the model (`check_tp_degree`) and, with --sequence-parallel, of the
-    ViT's tokens: every TP rank an equal share of them. The runners check it before torchrun, the script after."""
-    tp = world_size // cfg.dp
+    ViT's tokens: every TP rank an equal share of them; a pipeline's --tp, the ViT. The runners check it before
+    torchrun, the scripts after."""
+    if cfg.strategy == "pippy" and cfg.model == "cnn" and cfg.tp > 1:
+        raise ConfigError("--tp: a pipeline splits the ViT's blocks (--model vit); BabyCNN's TP is train_tp.py's")
+    tp = cfg.tp if cfg.strategy == "pippy" else world_size // cfg.dp
+    heads, mlp = (
+        (cfg.heads or VIT_SIZES[cfg.model_size][3], VIT_SIZES[cfg.model_size][4]) if cfg.model == "vit" else (1, 1)
+    )
+    if cfg.strategy == "pippy" and (heads % tp or mlp % tp):
+        fits = ", ".join(str(n) for n in (1, 2, 4, 8, 16) if heads % n == 0 and mlp % n == 0)
+        raise ConfigError(f"--tp: {tp} TP ranks do not split {heads} heads (MLP width {mlp}); use --tp {fits}")
     check_tp_degree(cfg.model_size, tp=tp, dp=cfg.dp, model=cfg.model, heads=cfg.heads)
     if cfg.sequence_parallel and cfg.model == "cnn":
         raise ConfigError("--sequence-parallel: a flag of the ViT (--model vit); BabyCNN has no tokens: drop it")

@@ -91,7 +91,10 @@ class StageActions:
         dist.all_gather_object(gathered, (self.windows, self.last, self.last_window, costs))
         if not logs:
             return None
-        windows, lasts, last_windows, costs = (list(x) for x in zip(*gathered[: layout.pp_size]))
+        # replica 0's pipeline ranks (rank = (replica x pp_size + pp_rank) x tp + tp_rank), each its TP rank 0's
+        windows, lasts, last_windows, costs = (
+            list(x) for x in zip(*gathered[: layout.pp_size * layout.tp : layout.tp])
+        )
         with open(os.path.join(out_dir, "bubble.jsonl"), "w") as f:  # per step, index = pipeline rank
             for i, step in enumerate(zip(*windows)):
                 busy, idle = [round(b, 6) for b, _ in step], [round(w - b, 6) for b, w in step]

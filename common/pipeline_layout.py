@@ -30,18 +30,20 @@ class PipelineLayout:
     model_size: str = "baby"
     dataset: str = "digits"  # the input's shape moves the balanced cut of the larger sizes
     model: str = "cnn"
+    tp: int = 1  # TP ranks splitting each stage (FSDP x PP x TP: world = dp x pp_size x tp)
 
     @classmethod
     def of(cls, cfg: Config, world_size: int) -> PipelineLayout:
         return cls(
             cfg.schedule,
             cfg.dp,
-            world_size // cfg.dp,
+            world_size // (cfg.dp * cfg.tp),
             cfg.stages_per_rank,
             cfg.n_microbatches,
             cfg.model_size,
             cfg.dataset,
             cfg.model,
+            cfg.tp,
         )
 
     @property
@@ -74,8 +76,8 @@ class PipelineLayout:
         return any(self.owner(s) == self.owner(s + 1) for s in range(self.n_stages - 1))
 
     def __str__(self) -> str:  # the start-up line's
-        world = self.dp * self.pp_size
-        return f"{world} processes = {self.dp} replica(s) x {self.pp_size} pipeline ranks, {self.n_stages} stages"
+        world, tp = self.dp * self.pp_size * self.tp, f" x {self.tp} TP ranks" if self.tp > 1 else ""
+        return f"{world} processes = {self.dp} replica(s) x {self.pp_size} pipeline ranks{tp}, {self.n_stages} stages"
 
     def describe(self) -> dict[str, object]:
         """run.json's view of the layout."""

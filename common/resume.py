@@ -24,7 +24,7 @@ TRAJECTORY = (
 # --lr-schedule re-timed from here on), the cadences, and what is observed (--compile: kernels, not arithmetic).
 MAY_CHANGE = (
     *("strategy", "allreduce", "sharding", "shard_units", "cpu_offload", "activation_checkpointing"),
-    *("schedule", "n_microbatches", "stages_per_rank", "dp", "sequence_parallel", "grad_accum_steps"),
+    *("schedule", "n_microbatches", "stages_per_rank", "dp", "tp", "sequence_parallel", "grad_accum_steps"),
     *("epochs", "max_steps", "log_every", "eval_every", "checkpoint_every", "keep"),
     *("compile", "profile_steps", "memory_snapshot", "tensorboard", "measure_peak"),
 )

@@ -16,7 +16,7 @@ def check_layout(cfg: Config, world_size: int) -> None:
     and what the ViT's shape allows."""
     if cfg.strategy == "pippy":
         PipelineLayout.of(cfg, world_size).check(chunk_size=cfg.chunk_size(world_size), compile=cfg.compile)
-    if cfg.strategy == "tp":
+    if cfg.strategy == "tp" or cfg.tp > 1:
         check_tp(cfg, world_size)
     if cfg.model == "vit":  # what the ViT's shape allows, as BabyViT checks it when it is built
         check_vit(cfg.model_size, DATASET_SHAPES[cfg.dataset][1], patch=cfg.patch_size, heads=cfg.heads)

@@ -265,6 +265,9 @@ BAD = [  # (world size, flags, the flag the one line names, a word of the explan
     (4, ["--schedule", "gpipe", "--stages-per-rank", "2"], "--stages-per-rank", "exactly 1"),
     (4, ["--schedule", "looped-bfs"], "--stages-per-rank", "2 or more"),
     (4, ["--dp", "3"], "--dp", "does not divide the world size"),
+    (8, ["--dp", "2", "--tp", "3"], "--dp", "2 x --tp 3 = 6 does not divide the world size 8"),  # dp x tp x pp
+    (8, ["--model", "vit", "--tp", "8"], "--tp", "8 TP ranks do not split 4 heads"),
+    (8, ["--dp", "2", "--tp", "2"], "--tp", "BabyCNN"),  # the pipeline's TP is the ViT's
     (4, ["--dp", "4", "--batch-size", "130"], "--batch-size", "does not split"),
     (4, ["--schedule", "pipedream"], "--schedule", "unknown"),
 ]

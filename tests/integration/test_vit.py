@@ -36,6 +36,7 @@ PARITY = [*VIT, "--lr", "1e-4", "--batch-size", "48", "--eval-every", "10", "--m
 EXACT = [*VIT, "--lr", "2e-3", "--batch-size", "48", "--checkpoint-every", "10"]
 CROSS = [*PARITY, "--checkpoint-every", "6"]
 BLOCKS = ["--shard-units", "blocks"]
+MESH_3D = ["--dp", "2", "--tp", "2"]  # (pipeline ranks: 8 / (2 x 2) = 2)
 EXACT_RUNS = {"ddp": [], "fsdp": [], "pippy": [], "tp": ["--sequence-parallel"]}  # (strategy: its flags)
 SCHEDULES_ON_2 = ("interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")  # 2 stages per rank
 # |Δloss| and relative |Δgrad_norm| against one process: ~10x the 4.8e-7 and 6.5e-8 measured here
@@ -69,6 +70,10 @@ POOLED = {
     "cross-fsdp": Run("fsdp", [*CROSS, *BLOCKS, "--resume"], rewound_from=("vit/cross-tp", 12)),
     "cross-pippy": Run("pippy", [*CROSS, "--resume"], rewound_from=("vit/cross-fsdp", 18)),
     "cross-ddp-from-tp": Run("ddp", [*CROSS, "--resume"], rewound_from=("vit/cross-tp", 12)),
+    # FSDP x PP x TP on 8 processes (2 x 2 x 2): from the start, and from one process's checkpoint; DDP resumes it
+    "3d": Run("pippy", [*CROSS, *MESH_3D], nproc=8),
+    "3d-from-1d": Run("pippy", [*CROSS, *MESH_3D, "--resume"], nproc=8, rewound_from=("vit/ref", 12)),
+    "1d-from-3d": Run("ddp", [*CROSS, "--resume"], rewound_from=("vit/3d", 12)),
 }
 PARITY_RUNS = [name for name in POOLED if name.startswith(("ddp", "fsdp", "pp", "tp")) and "bf16" not in name]
 
@@ -161,3 +166,31 @@ def test_checkpointing_recomputes_each_block_in_the_compute_dtype(runs, name):
         # a block's Linear layers (q, k, v, proj, fc1; fc2 not) and LayerNorms (2): 6 blocks, 20 steps
         assert rank["calls"]["recomputed"] == 20 * 6 * 7, rank["calls"]
         assert rank["recomputed_dtypes"] == {"Linear": [dtype], "LayerNorm": [dtype]}, rank
+
+
+def test_fsdp_x_pp_x_tp_on_8_processes_follows_one_process_and_crosses_to_1d(runs):
+    """The 3-D mesh: each rank holds its stage's blocks (PP), of their split layers its TP half, of all that its FSDP
+    half -- to the byte -- and the run follows one process step by step; a checkpoint crosses 1-D -> 3-D -> 1-D."""
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    from common.model import build_model
+
+    assert_follows(runs / "3d", runs / "ref", **FOLLOWS)
+    run = read_run(runs / "3d")
+    assert run["mesh"] == {"dp": 2, "pp": 2, "tp": 2} and run["world_size"] == 8
+    assert "8 processes = 2 replica(s) x 2 pipeline ranks x 2 TP ranks, 2 stages" in printed(runs / "3d")
+    model = build_model(model="vit", seed=0)
+    plan = model.tp_plan()
+    stages = json.loads((runs / "3d" / "timeline.json").read_text())["stage_layers"]
+    held = [0.0, 0.0]
+    for name, p in model.named_parameters():
+        layer, kind = name.rsplit(".", 1)
+        split = layer in plan and not (kind == "bias" and isinstance(plan[layer], RowwiseParallel))
+        stage = next(i for i, layers in enumerate(stages) if name.split(".")[0] in layers)
+        held[stage] += 4 * p.numel() / (2 if split else 1) / 2  # fp32, TP's half of a split one, FSDP's half
+    for rank in run["memory"]["per_rank"]:  # rank = (replica x 2 + pipeline rank) x 2 + TP rank
+        assert rank["param_bytes"] == held[rank["rank"] // 2 % 2], rank
+    assert_resumed(runs / "3d-from-1d", 12, printed(runs / "3d-from-1d"), source=runs / "ref")
+    assert_resumed(runs / "1d-from-3d", 12, printed(runs / "1d-from-3d"), source=runs / "3d")
+    for name in ("3d-from-1d", "1d-from-3d"):
+        assert_follows(runs / name, runs / "ref", steps=range(13, STEPS + 1), **FOLLOWS)
