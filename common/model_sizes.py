@@ -162,12 +162,14 @@ def check_tp_degree(size: str, *, tp: int, dp: int, model: str = "cnn", heads: i
         )
 
 
-def tp_layer_params(size: str, tp: int, dataset: str = "digits") -> dict[str, float]:
+def tp_layer_params(size: str, tp: int, dataset: str = "digits", model: str = "cnn") -> dict[str, float]:
     """The parameters one TP rank of `tp` holds of each layer: a column-wise layer's weight and bias are split, a
     row-wise layer's weight (its bias, of its whole output, is not: every rank adds it once the partial outputs
     are summed); the other layers are whole."""
-    split = tp_split_params(size, dataset)
-    return {layer.name: layer.params - split.get(layer.name, 0) * (1 - 1 / tp) for layer in layers(size, dataset)}
+    split = tp_split_params(size, dataset, model)
+    return {
+        layer.name: layer.params - split.get(layer.name, 0) * (1 - 1 / tp) for layer in layers(size, dataset, model)
+    }
 
 
 def blocks(size: str, model: str = "cnn") -> list[list[str]]:
@@ -181,15 +183,18 @@ def blocks(size: str, model: str = "cnn") -> list[list[str]]:
     return [names[a:b] for a, b in zip(starts, [*starts[1:], len(names)])]
 
 
-def tp_fsdp_units(size: str, tp: int, dataset: str = "digits") -> list[float]:
-    """FSDP x TP's units, as train_tp.py makes them: the parameters a TP rank holds of each block (the root holds
-    none of its own)."""
-    held = tp_layer_params(size, tp, dataset)
-    return [sum(held[name] for name in block) for block in blocks(size)]
+def tp_fsdp_units(size: str, tp: int, dataset: str = "digits", model: str = "cnn") -> list[float]:
+    """FSDP x TP's units, as train_tp.py makes them: the parameters a TP rank holds of each block (BabyCNN's root
+    holds none of its own; the ViT's, the embedding and the head, is not a block)."""
+    held = tp_layer_params(size, tp, dataset, model)
+    return [sum(held[name] for name in block) for block in blocks(size, model)]
 
 
-def tp_split_params(size: str, dataset: str) -> dict[str, int]:
-    """The parameters TP splits, by layer."""
+def tp_split_params(size: str, dataset: str, model: str = "cnn") -> dict[str, int]:
+    """The parameters TP splits, by layer (the ViT's, by block: q, k, v and fc1 whole, proj's and fc2's weights)."""
+    if model == "vit":
+        _, width, depth, _, mlp = VIT_SIZES[size]
+        return {f"block{i}": 4 * width * width + 3 * width + 2 * width * mlp + mlp for i in range(depth)}
     by_name = {layer.name: layer for layer in layers(size, dataset)}
     split = {}
     for col, row in tp_pairs(size):

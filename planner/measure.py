@@ -99,6 +99,9 @@ def plan_rank(cfg: Config, world_size: int, rank: int) -> RankMemory:
         return step(cfg, env, FakeTensorMode)
     finally:
         dist.destroy_process_group()
+        # DTensor caches each operator's output layout, mesh included: the next world's equal mesh would find this
+        # world's process groups in it, gone now (sequence parallel's gathers fail to resolve them; torch 2.14.1)
+        torch._C._clear_DTensor_sharding_propagator_cache()
 
 
 def _ddp_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
@@ -152,25 +155,31 @@ def _fsdp_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
     return _result(env.rank, memory, tracker, {})
 
 
-def _tp_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
+def _mesh_bookkeeping_for_real() -> Any:
+    """FSDP x TP joins "dp" and "tp" into one mesh as it wraps, which computes on the mesh's real rank map: that
+    bookkeeping runs outside the fake mode (torch 2.14.1: inside, it fails on a real tensor)."""
     from unittest import mock
 
     from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
 
-    from train_tp import apply_tp
-
-    # outside the fake mode: making a mesh communicates
-    mesh = init_device_mesh("cpu", (cfg.dp, env.world_size // cfg.dp), mesh_dim_names=("dp", "tp"))
-    # FSDP x TP joins "dp" and "tp" into one mesh as it wraps, which computes on the mesh's real rank map: that
-    # bookkeeping runs outside the fake mode (torch 2.14.1: inside, it fails on a real tensor)
     concatenate = DeviceMesh._concatenate
 
     def concatenate_for_real(meshes: list[DeviceMesh]) -> DeviceMesh:
         with unset_fake_temporarily():
             return concatenate(meshes)
 
-    with fake_mode(), mock.patch.object(DeviceMesh, "_concatenate", staticmethod(concatenate_for_real)):
+    return mock.patch.object(DeviceMesh, "_concatenate", staticmethod(concatenate_for_real))
+
+
+def _tp_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from train_tp import apply_tp
+
+    # outside the fake mode: making a mesh communicates
+    mesh = init_device_mesh("cpu", (cfg.dp, env.world_size // cfg.dp), mesh_dim_names=("dp", "tp"))
+    with fake_mode(), _mesh_bookkeeping_for_real():
         model = _model(cfg)
         dp_mesh = mesh["dp"] if cfg.dp > 1 else None
         model = apply_tp(
@@ -203,10 +212,10 @@ def _pipeline_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
     from train_pippy import apply_pipeline, make_schedule
 
     layout = PipelineLayout.of(cfg, env.world_size)
-    mesh = init_device_mesh("cpu", (layout.dp, layout.pp_size), mesh_dim_names=("dp", "pp"))
+    mesh = init_device_mesh("cpu", (layout.dp, layout.pp_size, cfg.tp), mesh_dim_names=("dp", "pp", "tp"))
     mine = layout.stages_of(mesh.get_local_rank("pp"))
     micro_batch = cfg.chunk_size(env.world_size) // cfg.n_microbatches
-    with fake_mode():
+    with fake_mode(), _mesh_bookkeeping_for_real():
         model = _model(cfg)
         pieces = split_model(model, layout.stage_starts)
         images, _ = _batch(cfg, micro_batch)
@@ -215,9 +224,16 @@ def _pipeline_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
         sent = [outputs[i] for i in mine if i < layout.n_stages - 1]
         in_flight = max((4 * torch.Size(shape).numel() for shape in sent), default=0)  # fp32 activations
         modules = {i: pieces[i] for i in mine}
-        dp_mesh = mesh["dp"] if layout.dp > 1 else None
+        dp_mesh, tp_mesh = (mesh[dim] if mesh[dim].size() > 1 else None for dim in ("dp", "tp"))
         stages = apply_pipeline(
-            modules, layout.n_stages, mesh.get_group("pp"), env.device, dp_mesh=dp_mesh, io_shapes=io_shapes
+            modules,
+            layout.n_stages,
+            mesh.get_group("pp"),
+            env.device,
+            dp_mesh=dp_mesh,
+            tp_mesh=tp_mesh,
+            tp_plan=model.tp_plan(),
+            io_shapes=io_shapes,
         )
         schedule = make_schedule(cfg.schedule, stages, cfg.n_microbatches, lambda y, t: F.cross_entropy(y, t))
         local = nn.Sequential(*(layer for i in sorted(modules) for layer in modules[i].children()))

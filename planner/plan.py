@@ -7,9 +7,10 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from common.config import Config
-from common.model_sizes import blocks, layers, max_stages, parameter_count, tp_fsdp_units
+from common.model_sizes import blocks, layers, max_stages, parameter_count, tp_fsdp_units, tp_layer_params
 from planner.measure import RankMemory, plan_rank
 from planner.predict import state_bytes_theory, tp_state_bytes_theory
+from runner.layout import would_start
 
 DEFAULT_VARIANTS = ("ddp", "fsdp full, a unit per layer", "fsdp full, one unit", "pipeline 1f1b", "fsdp x tp")
 ALL_VARIANTS = (
@@ -19,8 +20,12 @@ ALL_VARIANTS = (
     "fsdp none",
     "pipeline gpipe",
 )
-# The ViT's: a unit per block, with and without each block checkpointed (FSDP x TP plans BabyCNN only, for now)
-VIT_VARIANTS = ("ddp", "fsdp full, a unit per block", "fsdp full, a unit per block, checkpointed", "pipeline 1f1b")
+# The ViT's: a unit per block, with and without each block checkpointed; TP by heads, with sequence parallel and
+# inside a pipeline (the 3-D mesh, docs/mesh.md)
+VIT_VARIANTS = (
+    *("ddp", "fsdp full, a unit per block", "fsdp full, a unit per block, checkpointed", "pipeline 1f1b"),
+    *("fsdp x tp", "fsdp x tp, sequence parallel", "fsdp x pp x tp"),
+)
 
 
 @dataclass
@@ -48,11 +53,24 @@ class Plan:
 def variant_config(variant: str, base: Config, world_size: int) -> Config | None:
     """The Config of `variant` at `world_size`, or None where it cannot run (hybrid on an odd world, a pipeline
     whose ranks do not divide the world, TP on an odd one)."""
-    if variant == "fsdp x tp":  # TP over up to 8 ranks (its all-reduces want one machine's links), FSDP across
-        if base.model == "vit":
-            return None
-        tp = max(t for t in (1, 2, 4, 8) if world_size % t == 0)
-        return replace(base, strategy="tp", dp=world_size // tp) if tp > 1 or world_size == 1 else None
+    if variant.startswith("fsdp x tp"):  # TP over up to 8 ranks (its collectives want one machine's links) that
+        # the model's heads (and, with sequence parallel, its tokens) allow; FSDP across
+        sp = variant.endswith("sequence parallel")
+        tps = (
+            replace(base, strategy="tp", dp=world_size // t, sequence_parallel=sp)
+            for t in (8, 4, 2, 1)
+            if world_size % t == 0
+        )
+        cfg = next((c for c in tps if world_size % c.dp == 0 and would_start(c, world_size, planned=True)), None)
+        return cfg if cfg and (cfg.dp < world_size or world_size == 1) else None
+    if variant == "fsdp x pp x tp":  # the same TP, a pipeline of up to 4 ranks around it, FSDP over the replicas
+        for t in (t for t in (8, 4, 2) if world_size % t == 0):
+            pp = min(4, world_size // t, max_stages(base.model_size, base.model))
+            cfg = replace(base, strategy="pippy", schedule="1f1b", tp=t, dp=world_size // (t * pp))
+            cfg = replace(cfg, n_microbatches=max(4, pp))
+            if pp > 1 and (world_size // t) % pp == 0 and would_start(cfg, world_size, planned=True):
+                return cfg
+        return None
     name, _, units = variant.partition(", ")
     strategy, _, mode = name.partition(" ")
     units, _, checkpointed = units.partition(", ")
@@ -82,9 +100,10 @@ def ranks_to_measure(cfg: Config, world_size: int) -> list[int]:
 
 
 def textbook(cfg: Config, world_size: int) -> float:
-    if cfg.strategy == "tp":  # the split parameters over tp and dp, the others over dp
-        tp = world_size // cfg.dp
-        theory = tp_state_bytes_theory(cfg.model_size, tp=tp, dp=cfg.dp, optimizer=cfg.optimizer, dataset=cfg.dataset)
+    if cfg.strategy == "tp" or cfg.tp > 1:  # the split parameters over tp and the rest, the others over the rest
+        tp = cfg.tp if cfg.strategy == "pippy" else world_size // cfg.dp
+        shares = dict(tp=tp, dp=world_size // tp, optimizer=cfg.optimizer, dataset=cfg.dataset, model=cfg.model)
+        theory = tp_state_bytes_theory(cfg.model_size, **shares)
         return theory["param_bytes"] + theory["grad_bytes"] + theory["optim_bytes"]
     shards = {"ddp": 1, "pippy": world_size}.get(cfg.strategy)
     if shards is None:  # FSDP: the ranks one parameter is split over
@@ -99,15 +118,17 @@ def unit_bytes(cfg: Config, world_size: int) -> int:
     a pipeline stage sharded over its replicas (--dp)."""
     params = {layer.name: layer.params for layer in layers(cfg.model_size, cfg.dataset, cfg.model)}
     if cfg.strategy == "pippy":
+        params = tp_layer_params(cfg.model_size, cfg.tp, cfg.dataset, cfg.model)  # (--tp: a TP rank's part)
         if cfg.dp == 1:
             return 0
         from common.pipeline_layout import PipelineLayout
 
         names, starts = list(params), PipelineLayout.of(cfg, world_size).stage_starts
         bounds = [names.index(s) for s in starts] + [len(names)]
-        return 2 * 4 * max(sum(params[n] for n in names[a:b]) for a, b in zip(bounds, bounds[1:]))
+        return 2 * 4 * int(max(sum(params[n] for n in names[a:b]) for a, b in zip(bounds, bounds[1:])))
     if cfg.strategy == "tp":  # FSDP x TP: a TP rank's part of its largest unit, gathered over the replicas
-        return 2 * 4 * int(max(tp_fsdp_units(cfg.model_size, world_size // cfg.dp, cfg.dataset))) if cfg.dp > 1 else 0
+        units = tp_fsdp_units(cfg.model_size, world_size // cfg.dp, cfg.dataset, cfg.model)
+        return 2 * 4 * int(max(units)) if cfg.dp > 1 else 0
     if cfg.strategy != "fsdp" or cfg.sharding == "none":
         return 0
     if cfg.shard_units == "model":
@@ -122,6 +143,7 @@ def plan(variant: str, base: Config, world_size: int) -> Plan | None:
     if cfg is None:
         return None
     variant_flags = ("model", "strategy", "sharding", "shard_units", "activation_checkpointing", "schedule", "dp")
+    variant_flags += ("tp", "sequence_parallel")
     flags = {k: v for k, v in cfg.flags().items() if k in variant_flags}
     result = Plan(
         variant,

@@ -228,14 +228,16 @@ def state_bytes_theory(n_params: int, *, shards: int, optimizer: str) -> dict[st
     return {"parameters": n_params, "shards": shards, **{k: v * n_params / shards for k, v in per_param.items()}}
 
 
-def tp_state_bytes_theory(size: str, *, tp: int, dp: int, optimizer: str, dataset: str = "digits") -> dict[str, Any]:
-    """The training state per rank under TP (x FSDP over `dp` replicas): what tp_layer_params gives a TP rank,
-    divided by `dp`."""
-    held = tp_layer_params(size, tp, dataset)
-    split = sum(tp_split_params(size, dataset).values())
+def tp_state_bytes_theory(
+    size: str, *, tp: int, dp: int, optimizer: str, dataset: str = "digits", model: str = "cnn"
+) -> dict[str, Any]:
+    """The training state per rank under TP (x FSDP over `dp` replicas, or over the ranks of a pipeline and its
+    replicas): what tp_layer_params gives a TP rank, divided by `dp`."""
+    held = tp_layer_params(size, tp, dataset, model)
+    split = sum(tp_split_params(size, dataset, model).values())
     per_param = state_bytes_theory(1, shards=1, optimizer=optimizer)
     return {
-        "parameters": parameter_count(size, dataset),
+        "parameters": parameter_count(size, dataset, model),
         "split_parameters": split,
         "tp": tp,
         "dp": dp,

@@ -7,27 +7,29 @@ from dataclasses import replace
 
 from common.config import Config
 from common.errors import ConfigError
-from common.model_sizes import DATASET_SHAPES, check_tp, check_vit
+from common.model_sizes import DATASET_SHAPES, check_tp, check_vit, input_shape
 from common.pipeline_layout import PipelineLayout
 
 
-def check_layout(cfg: Config, world_size: int) -> None:
+def check_layout(cfg: Config, world_size: int, *, planned: bool = False) -> None:
     """What the pipeline's and TP's layouts need of the world size, as train_pippy.py and train_tp.py check it,
-    and what the ViT's shape allows."""
+    and what the ViT's shape allows: on the data set's images, or (`planned`) on those python -m planner plans the
+    size for (the published ViTs': 224 x 224)."""
     if cfg.strategy == "pippy":
         PipelineLayout.of(cfg, world_size).check(chunk_size=cfg.chunk_size(world_size), compile=cfg.compile)
     if cfg.strategy == "tp" or cfg.tp > 1:
         check_tp(cfg, world_size)
     if cfg.model == "vit":  # what the ViT's shape allows, as BabyViT checks it when it is built
-        check_vit(cfg.model_size, DATASET_SHAPES[cfg.dataset][1], patch=cfg.patch_size, heads=cfg.heads)
+        side = input_shape(cfg.model, cfg.model_size, cfg.dataset)[1] if planned else DATASET_SHAPES[cfg.dataset][1]
+        check_vit(cfg.model_size, side, patch=cfg.patch_size, heads=cfg.heads)
 
 
-def would_start(cfg: Config, world_size: int) -> bool:
-    """Whether the scripts would start `cfg` on `world_size` ranks: its flags' checks and its layout's (a
-    ValueError: more pipeline stages than the model has layers to cut)."""
+def would_start(cfg: Config, world_size: int, *, planned: bool = False) -> bool:
+    """Whether the scripts would start `cfg` on `world_size` ranks (`planned`: on the images the planner plans it
+    for): its flags' checks and its layout's (a ValueError: more pipeline stages than the model has layers to cut)."""
     try:
         replace(cfg).check(world_size=world_size)  # (a copy: check settles some fields)
-        check_layout(cfg, world_size)
+        check_layout(cfg, world_size, planned=planned)
     except (ConfigError, ValueError):
         return False
     return True
