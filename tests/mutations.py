@@ -134,6 +134,18 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "        return {}\n",
         ["tests/integration/test_vit.py", "-k", "share"],
     ),
+    "sequence-parallel": (  # the flag ignored: the plain split, which still follows one process
+        "train_tp.py",
+        "plan = model.tp_plan(cfg.sequence_parallel)",
+        "plan = model.tp_plan()",
+        ["tests/integration/test_communication.py", "-k", "sp"],
+    ),
+    "3d-tp": (  # --tp ignored inside the pipeline's stages: every rank holds its stage's whole layers
+        "train_pippy.py",
+        "dp_mesh=dp, tp_mesh=tp, tp_plan=plan",
+        "dp_mesh=dp",
+        ["tests/integration/test_vit.py", "-k", "8_processes"],
+    ),
 }
 
 

@@ -290,6 +290,9 @@ def test_ctrl_c_on_a_script_run_without_the_runner_is_one_line(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # as from a terminal: a suite started in the background (nohup, `&`) hands its children SIGINT ignored,
+        # and Python then installs no KeyboardInterrupt handler at all
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     code, printed = when_past(script, out, 5, lambda: script.send_signal(signal.SIGINT))
     assert code == 130 and "Traceback" not in printed, printed[-3000:]

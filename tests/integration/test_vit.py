@@ -33,7 +33,7 @@ VIT += ["--max-steps", str(STEPS)]
 # clipped: the whole gradient's norm is above 1 on most steps (the reference's are checked)
 PARITY = [*VIT, "--lr", "1e-4", "--batch-size", "48", "--eval-every", "10", "--max-grad-norm", "1"]
 # --lr 2e-3: a 1-ulp difference would grow, so only an exact resume repeats the run
-EXACT = [*VIT, "--lr", "2e-3", "--batch-size", "48", "--checkpoint-every", "10"]
+EXACT = [*VIT, "--lr", "2e-3", "--batch-size", "48", "--checkpoint-every", "6", "--max-steps", "12"]
 CROSS = [*PARITY, "--checkpoint-every", "6"]
 BLOCKS = ["--shard-units", "blocks"]
 MESH_3D = ["--dp", "2", "--tp", "2"]  # (pipeline ranks: 8 / (2 x 2) = 2)
@@ -57,10 +57,10 @@ POOLED = {
     **{f"tp{n}-sp": Run("tp", [*PARITY, "--sequence-parallel"], nproc=n) for n in (2, 4)},
     "fsdp-x-tp": Run("tp", [*PARITY, "--dp", "2"]),
     "fsdp-x-tp-sp": Run("tp", [*PARITY, "--dp", "2", "--sequence-parallel"]),
-    # resumed at step 10 of 20 in a fresh set of wraps, from a copy of the run as it stood then
+    # resumed at step 6 of 12 in a fresh set of wraps, from a copy of the run as it stood then
     **{f"exact-{s}": Run(s, [*EXACT, *flags]) for s, flags in EXACT_RUNS.items()},
     **{
-        f"exact-{s}-resumed": Run(s, [*EXACT, *flags, "--resume"], rewound_from=(f"vit/exact-{s}", 10))
+        f"exact-{s}-resumed": Run(s, [*EXACT, *flags, "--resume"], rewound_from=(f"vit/exact-{s}", 6))
         for s, flags in EXACT_RUNS.items()
     },
     # one checkpoint through four strategies: DDP's step 6 resumed by TP (sequence parallel), whose step 12 FSDP
@@ -71,8 +71,8 @@ POOLED = {
     "cross-pippy": Run("pippy", [*CROSS, "--resume"], rewound_from=("vit/cross-fsdp", 18)),
     "cross-ddp-from-tp": Run("ddp", [*CROSS, "--resume"], rewound_from=("vit/cross-tp", 12)),
     # FSDP x PP x TP on 8 processes (2 x 2 x 2): from the start, and from one process's checkpoint; DDP resumes it
-    "3d": Run("pippy", [*CROSS, *MESH_3D], nproc=8),
-    "3d-from-1d": Run("pippy", [*CROSS, *MESH_3D, "--resume"], nproc=8, rewound_from=("vit/ref", 12)),
+    "3d": Run("pippy", [*CROSS, *MESH_3D, "--max-steps", "12"], nproc=8),
+    "3d-from-1d": Run("pippy", [*CROSS, *MESH_3D, "--resume"], nproc=8, rewound_from=("vit/ref", 18)),
     "1d-from-3d": Run("ddp", [*CROSS, "--resume"], rewound_from=("vit/3d", 12)),
 }
 PARITY_RUNS = [name for name in POOLED if name.startswith(("ddp", "fsdp", "pp", "tp")) and "bf16" not in name]
@@ -121,7 +121,7 @@ def test_the_comparison_draws_the_vit_curves(runs, tmp_path):
 @pytest.mark.parametrize("strategy", EXACT_RUNS)
 def test_a_resumed_run_repeats_the_run_bit_for_bit(runs, strategy):
     again = runs / f"exact-{strategy}-resumed"
-    assert_resumed(again, 10, printed(again), source=runs / f"exact-{strategy}")
+    assert_resumed(again, 6, printed(again), source=runs / f"exact-{strategy}")
     full = losses(runs / f"exact-{strategy}")
     assert losses(again) == full and grad_norms(again) == grad_norms(runs / f"exact-{strategy}")
     assert max(full) - min(full) > 0.1  # at --lr 2e-3 the curve moves: a 1-ulp difference would have grown
@@ -190,7 +190,7 @@ def test_fsdp_x_pp_x_tp_on_8_processes_follows_one_process_and_crosses_to_1d(run
         held[stage] += 4 * p.numel() / (2 if split else 1) / 2  # fp32, TP's half of a split one, FSDP's half
     for rank in run["memory"]["per_rank"]:  # rank = (replica x 2 + pipeline rank) x 2 + TP rank
         assert rank["param_bytes"] == held[rank["rank"] // 2 % 2], rank
-    assert_resumed(runs / "3d-from-1d", 12, printed(runs / "3d-from-1d"), source=runs / "ref")
+    assert_resumed(runs / "3d-from-1d", 18, printed(runs / "3d-from-1d"), source=runs / "ref")
     assert_resumed(runs / "1d-from-3d", 12, printed(runs / "1d-from-3d"), source=runs / "3d")
-    for name in ("3d-from-1d", "1d-from-3d"):
-        assert_follows(runs / name, runs / "ref", steps=range(13, STEPS + 1), **FOLLOWS)
+    for name, step in (("3d-from-1d", 18), ("1d-from-3d", 12)):
+        assert_follows(runs / name, runs / "ref", steps=range(step + 1, STEPS + 1), **FOLLOWS)
