@@ -108,20 +108,26 @@ def tp_pairs(size: str) -> list[tuple[str, str]]:
     return list(zip(linears[0::2], linears[1::2]))
 
 
+def tp_degree(cfg: Config, world_size: int) -> int:
+    """The ranks TP splits a layer over: train_tp.py's world / --dp, a pipeline's --tp (1 for DDP and FSDP)."""
+    return world_size // cfg.dp if cfg.strategy == "tp" else cfg.tp
+
+
 def check_tp(cfg: Config, world_size: int) -> None:
     """What train_tp.py's split needs of the model (`check_tp_degree`) and, with --sequence-parallel, of the
     ViT's tokens: every TP rank an equal share of them; a pipeline's --tp, the ViT. The runners check it before
     torchrun, the scripts after."""
     if cfg.strategy == "pippy" and cfg.model == "cnn" and cfg.tp > 1:
         raise ConfigError("--tp: a pipeline splits the ViT's blocks (--model vit); BabyCNN's TP is train_tp.py's")
-    tp = cfg.tp if cfg.strategy == "pippy" else world_size // cfg.dp
+    tp = tp_degree(cfg, world_size)
     heads, mlp = (
         (cfg.heads or VIT_SIZES[cfg.model_size][3], VIT_SIZES[cfg.model_size][4]) if cfg.model == "vit" else (1, 1)
     )
     if cfg.strategy == "pippy" and (heads % tp or mlp % tp):
         fits = ", ".join(str(n) for n in (1, 2, 4, 8, 16) if heads % n == 0 and mlp % n == 0)
         raise ConfigError(f"--tp: {tp} TP ranks do not split {heads} heads (MLP width {mlp}); use --tp {fits}")
-    check_tp_degree(cfg.model_size, tp=tp, dp=cfg.dp, model=cfg.model, heads=cfg.heads)
+    if cfg.strategy == "tp":
+        check_tp_degree(cfg.model_size, tp=tp, dp=cfg.dp, model=cfg.model, heads=cfg.heads)
     if cfg.sequence_parallel and cfg.model == "cnn":
         raise ConfigError("--sequence-parallel: a flag of the ViT (--model vit); BabyCNN has no tokens: drop it")
     if not cfg.sequence_parallel:

@@ -65,7 +65,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         for n in world_sizes:
             batch = args.per_rank_batch * n
             base = Config(model=args.model, model_size=args.model_size, optimizer=args.optimizer, batch_size=batch)
-            base.train_size = max(batch, base.train_size)  # (a data set of at least one batch: it plans a step)
             print(f"planning {variant} on {n} ranks", file=sys.stderr, flush=True)
             if result := plan(variant, base, n):
                 plans.append(result)

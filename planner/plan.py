@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from common.config import Config
-from common.model_sizes import blocks, layers, max_stages, parameter_count, tp_fsdp_units, tp_layer_params
+from common.model_sizes import blocks, layers, max_stages, parameter_count, tp_degree, tp_fsdp_units, tp_layer_params
 from planner.measure import RankMemory, plan_rank
 from planner.predict import state_bytes_theory, tp_state_bytes_theory
 from runner.layout import would_start
@@ -52,7 +52,9 @@ class Plan:
 
 def variant_config(variant: str, base: Config, world_size: int) -> Config | None:
     """The Config of `variant` at `world_size`, or None where it cannot run (hybrid on an odd world, a pipeline
-    whose ranks do not divide the world, TP on an odd one)."""
+    whose ranks do not divide the world, TP on an odd one). Its data set holds at least one global batch: the
+    planner plans a step, not an epoch."""
+    base = replace(base, train_size=max(base.batch_size, base.train_size))
     if variant.startswith("fsdp x tp"):  # TP over up to 8 ranks (its collectives want one machine's links) that
         # the model's heads (and, with sequence parallel, its tokens) allow; FSDP across
         sp = variant.endswith("sequence parallel")
@@ -61,7 +63,7 @@ def variant_config(variant: str, base: Config, world_size: int) -> Config | None
             for t in (8, 4, 2, 1)
             if world_size % t == 0
         )
-        cfg = next((c for c in tps if world_size % c.dp == 0 and would_start(c, world_size, planned=True)), None)
+        cfg = next((c for c in tps if would_start(c, world_size, planned=True)), None)
         return cfg if cfg and (cfg.dp < world_size or world_size == 1) else None
     if variant == "fsdp x pp x tp":  # the same TP, a pipeline of up to 4 ranks around it, FSDP over the replicas
         for t in (t for t in (8, 4, 2) if world_size % t == 0):
@@ -101,7 +103,7 @@ def ranks_to_measure(cfg: Config, world_size: int) -> list[int]:
 
 def textbook(cfg: Config, world_size: int) -> float:
     if cfg.strategy == "tp" or cfg.tp > 1:  # the split parameters over tp and the rest, the others over the rest
-        tp = cfg.tp if cfg.strategy == "pippy" else world_size // cfg.dp
+        tp = tp_degree(cfg, world_size)
         shares = dict(tp=tp, dp=world_size // tp, optimizer=cfg.optimizer, dataset=cfg.dataset, model=cfg.model)
         theory = tp_state_bytes_theory(cfg.model_size, **shares)
         return theory["param_bytes"] + theory["grad_bytes"] + theory["optim_bytes"]

@@ -110,8 +110,7 @@ def largest_batch(p: Plan, memory: int, *, start: int) -> Largest | None:
     base = Config(model=p.model, model_size=p.model_size, optimizer=p.optimizer)
 
     def config(per_rank: int) -> Config | None:  # None: a batch the variant cannot split (micro-batches, replicas)
-        batch = per_rank * p.world_size  # (a data set of at least one batch: the planner plans a step, not an epoch)
-        cfg = variant_config(p.variant, replace(base, batch_size=batch, train_size=max(batch, 12800)), p.world_size)
+        cfg = variant_config(p.variant, replace(base, batch_size=per_rank * p.world_size), p.world_size)
         return cfg if cfg is not None and would_start(cfg, p.world_size, planned=True) else None
 
     step = next((b for b in range(1, 1025) if config(b)), None)

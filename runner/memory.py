@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from common.config import Config
 from common.errors import ConfigError
-from common.model_sizes import blocks, layers, tp_fsdp_units, tp_layer_params
+from common.model_sizes import blocks, layers, tp_degree, tp_fsdp_units, tp_layer_params
 from runner.layout import would_start
 
 # Memory one CPU training process of this suite takes (torch, the built-in data set, BabyCNN, gloo), rounded up
@@ -35,9 +35,8 @@ def planned_peak_bytes(cfg: Config, world_size: int) -> int:
     names = [layer.name for layer in model]
     params = sum(layer.params for layer in model)
     state = 16 if cfg.optimizer == "adamw" else 12
-    per_sample = 4 * sum(layer.outputs for layer in model)  # fp32 activations kept for backward
-    tp = world_size // cfg.dp if cfg.strategy == "tp" else cfg.tp
-    kept = {layer.name: layer.outputs for layer in model}  # values per sample a layer keeps for backward
+    tp = tp_degree(cfg, world_size)
+    kept_by_layer = {layer.name: layer.outputs for layer in model}  # values per sample a layer keeps for backward
     if cfg.model == "vit" and tp > 1:  # a block's heads, q, k, v and MLP split; norms and residuals (SP: 1/tp) not
         from common.vit_sizes import VIT_SIZES
 
@@ -45,8 +44,8 @@ def planned_peak_bytes(cfg: Config, world_size: int) -> int:
         tokens = model[0].outputs // width  # (the embedding's output: tokens x width)
         whole = tokens * (2 * width + 2 * width / (tp if cfg.sequence_parallel else 1))
         split = tokens * (3 * width + 2 * mlp) + heads * tokens * tokens
-        kept |= {f"block{i}": int(whole + split / tp) for i in range(depth)}
-        per_sample = 4 * sum(kept.values())
+        kept_by_layer |= {f"block{i}": int(whole + split / tp) for i in range(depth)}
+    per_sample = 4 * sum(kept_by_layer.values())  # fp32 activations kept for backward
     if cfg.model == "vit" and cfg.strategy == "fsdp" and cfg.activation_checkpointing:
         # each block keeps its input (tokens x width, the embedding's output); one block's activations at a time
         kept = sum(model[0].outputs for layer in model if layer.name.startswith("block"))
@@ -66,7 +65,7 @@ def planned_peak_bytes(cfg: Config, world_size: int) -> int:
                 stage_params = int(sum(params_held[layer.name] for layer in part))  # (--tp: a TP rank's part)
                 in_flight = min(layout.pp_size - rank, cfg.n_microbatches) * micro_batch
                 held += state * stage_params // cfg.dp + (8 * stage_params if cfg.dp > 1 else 0)
-                held += in_flight * 4 * sum(kept[layer.name] for layer in part)
+                held += in_flight * 4 * sum(kept_by_layer[layer.name] for layer in part)
             most = max(most, held)
         return most
     batch = cfg.chunk_size(world_size) * per_sample
