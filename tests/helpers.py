@@ -44,6 +44,10 @@ PARITY = [
 ]
 # PARITY, cut to what the ~20 pipeline trainings can afford: 20 steps of a global batch of 48
 PP_PARITY = [*PARITY, "--max-steps", "20", "--batch-size", "48"]
+# 40 steps at --lr 2e-3, where AdamW turns a 1-ulp gradient difference into ~1e-3 of loss within ~20 steps: only an
+# exact resume repeats such a run (test_resume.py, test_interruptions.py: the same trainings, trained once)
+EXACT = [*SMALL, "--max-steps", "40", "--batch-size", "64", "--dropout", "0", "--lr", "2e-3"]
+EXACT += ["--checkpoint-every", "10"]
 # SGD (momentum 0.9) at a learning rate where the 1-process run is itself stable across thread counts:
 # at 0.02 the loss spikes and 4-rank runs drift 2e-4 from it within 24 steps; at 0.005, over 30 steps, 1- vs
 # 2-thread runs agree to ~2e-6 and 4 ranks to ~3e-5 (measured here).
@@ -198,11 +202,10 @@ class Run:
     observe: bool = False
 
 
-def run_many(
-    runs: dict[str, Run], nproc: int, root: Path, *, timeout: float = 2 * LAUNCH_TIMEOUT_S
-) -> subprocess.CompletedProcess:
+def start_many(runs: dict[str, Run], nproc: int, root: Path) -> subprocess.Popen:
     """Several trainings {name: run}, all on nproc processes, one after another in ONE launch (torchrun; plain
-    python for one); each writes to root / name, and a `rewound_from` name is read from root too.
+    python for one), started in a process group of its own (to be killed whole) and returned, its output in one
+    pipe; each writes to root / name, and a `rewound_from` name is read from root too.
     tests/integration/workers/runs.py runs the real train_<strategy>.train for each."""
     spec = {
         str(root / name): {
@@ -216,7 +219,15 @@ def run_many(
     path = Path(tempfile.mkstemp(suffix=".json", prefix="runs-", dir=root)[1])
     path.write_text(json.dumps(spec))
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
-    return run_command([sys.executable, *launcher, "tests/integration/workers/runs.py", str(path)], timeout=timeout)
+    return subprocess.Popen(
+        [sys.executable, *launcher, "tests/integration/workers/runs.py", str(path)],
+        cwd=ROOT,
+        env=env_for_tests(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 # ------------------------------------------------------------------------------------ killing a worker

@@ -57,7 +57,7 @@ POOLED = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # (its tests run on both sides of the shared launches: set up once)
 def runner2(tmp_path_factory) -> tuple[Path, str]:
     """run_ddp.sh on 2 processes with MAX_RESTARTS=1, one worker SIGKILLed after step 10: (the run folder,
     what the runner printed)."""

@@ -85,7 +85,7 @@ def runs(tmp_path_factory, pool, references):
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # (its tests run on both sides of the shared launches: set up once)
 def killed(tmp_path_factory):
     """run_fsdp.sh on 4 ranks, a checkpoint every 5 steps, one worker SIGKILLed in the middle of a save after step
     15 (MAX_RESTARTS=0: the job ends); what it left on disk; then the same command with --resume."""
