@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (
+    EXACT,
     LAUNCH_TIMEOUT_S,
     ROOT,
     SMALL,
@@ -35,10 +36,9 @@ from tests.helpers import (
 )
 
 # 40 steps, a checkpoint every 10; --lr 2e-3, where a 1-ulp difference would grow: only an exact resume matches
-FLAGS = [*SMALL, "--max-steps", "40", "--batch-size", "64", "--dropout", "0", "--lr", "2e-3"]
-FLAGS += ["--checkpoint-every", "10"]
+FLAGS = EXACT
 STRATEGIES = ("ddp", "fsdp", "pippy", "tp")
-POOLED = {s: Run(s, FLAGS, nproc=2) for s in STRATEGIES}  # the uninterrupted runs
+POOLED = {s: Run(s, FLAGS, nproc=2) for s in STRATEGIES}  # the uninterrupted runs (test_resume.py's too)
 # what a run prints when nothing goes wrong: everything else counts against the 3 lines an interruption may add
 TRAINING = re.compile(
     r"^(DDP|FSDP|pipeline|TP) \||^\w[\w-]*: \d+ train|^Baby(CNN|ViT)|^  stage \d|^resum|^(step|eval) +\d+/"

@@ -7,32 +7,27 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import SMALL, Run, assert_resumed, env_for_tests, grad_norms, launch, losses, printed, run_command
+from tests.helpers import (
+    EXACT,
+    SMALL,
+    Run,
+    assert_resumed,
+    env_for_tests,
+    grad_norms,
+    launch,
+    losses,
+    printed,
+    run_command,
+)
 
 STRATEGIES = ("ddp", "fsdp", "pippy", "tp")
-# --lr 2e-3: AdamW turns a 1-ulp gradient difference into ~1e-3 of loss within ~20 steps, so only an exact
-# resume passes max |dloss| == 0 here
-EXACT = [
-    *SMALL,
-    "--max-steps",
-    "40",
-    "--batch-size",
-    "64",
-    "--dropout",
-    "0",
-    "--lr",
-    "2e-3",
-    "--checkpoint-every",
-    "20",
-]
-
-
-# Trainings in the shared launches (tests/integration/conftest.py): each strategy's uninterrupted 40-step run,
-# then the same run resumed from its step-20 checkpoint in a fresh set of runs (a new DDP wrap, new shards,
-# new stages), in a copy of the run folder as it stood after step 20
+# Trainings in the shared launches (tests/integration/conftest.py): each strategy's uninterrupted 40-step run on 2
+# processes (test_interruptions.py's too: the pool trains them once), then the same run resumed from its step-20
+# checkpoint in a fresh set of runs (a new DDP wrap, new shards, new stages), in a copy of the run folder as it
+# stood after step 20
 POOLED = {
-    **{s: Run(s, EXACT) for s in STRATEGIES},
-    **{f"{s}-resumed": Run(s, [*EXACT, "--resume"], rewound_from=(f"resume/{s}", 20)) for s in STRATEGIES},
+    **{s: Run(s, EXACT, nproc=2) for s in STRATEGIES},
+    **{f"{s}-resumed": Run(s, [*EXACT, "--resume"], nproc=2, rewound_from=(f"resume/{s}", 20)) for s in STRATEGIES},
 }
 
 
@@ -88,7 +83,7 @@ def test_the_script_itself_refuses_a_changed_setting_and_stops_at_a_finished_run
     ]
     finished = launch("train_fsdp.py", 1, [*EXACT, "--resume"], resumed / "fsdp")
     assert "already at step 40 of 40" in finished.stdout
-    assert "4 -> 1 processes" in finished.stdout  # what a resume may change is said, once
+    assert "2 -> 1 processes" in finished.stdout  # what a resume may change is said, once
     runner = run_command(["bash", "run_ddp.sh", *EXACT, "--resume", "--out", str(resumed / "ddp")])
     assert (
         runner.stdout.strip()

@@ -1,10 +1,10 @@
-"""BabyCNN at a larger size (small: 12.7 M parameters, a classifier of four layers): DDP, FSDP (the model as one
-unit, and a unit per layer), the pipeline (its balanced cut), TP (x 2 and x 4) and FSDP x TP (2 x 2) follow one
-process over 8 clipped steps, losses and grad_norm, and a checkpoint of that size crosses strategies (DDP's
-resumed by FSDP, FSDP's by the pipeline). With SGD: AdamW at --lr 1e-4 is already chaotic at this size (one
-process and 4 ranks, 2e-7 apart at step 4, 2e-3 by step 14). SGD at --lr 0.005 clipped to 0.32 keeps the
-losses together but lets grad_norm drift 7e-5 by step 20 (1 thread against 4 ranks); at --lr 0.002 every run
-here stays within 2e-8 of one process in grad_norm and 5e-7 in the loss (measured)."""
+"""BabyCNN at a larger size (small: 12.7 M parameters, a classifier of four layers): DDP and FSDP (the model as one
+unit, and a unit per layer) on 2 ranks, the pipeline (its balanced cut over 4 stages), TP (x 2 and x 4) and FSDP x
+TP (2 x 2) follow one process over 8 clipped steps, losses and grad_norm, and a checkpoint of that size crosses
+strategies (DDP's resumed by FSDP, FSDP's by a pipeline of 2 stages). With SGD: AdamW at --lr 1e-4 is already
+chaotic at this size (one process and 4 ranks, 2e-7 apart at step 4, 2e-3 by step 14). SGD at --lr 0.005 clipped
+to 0.32 keeps the losses together but lets grad_norm drift 7e-5 by step 20 (1 thread against 4 ranks); at --lr
+0.002 every run here stays within 2e-8 of one process in grad_norm and 5e-7 in the loss (measured)."""
 
 import json
 
@@ -17,22 +17,23 @@ STEPS = 8
 RESUME_AT = 4
 FLAGS = [*PARITY, *SGD, "--lr", "0.002", "--max-grad-norm", "0.32", "--model-size", "small"]
 FLAGS += ["--max-steps", str(STEPS), "--checkpoint-every", str(RESUME_AT)]
-# one thread per process, as the 4 ranks have
+# one thread per process, as the ranks have
 FLAGS += ["--threads", "1"]
 
 POOLED = {
     "reference": Run("ddp", FLAGS, nproc=1),
-    "ddp": Run("ddp", FLAGS),
-    "fsdp": Run("fsdp", FLAGS),
-    "fsdp-units": Run("fsdp", [*FLAGS, "--shard-units", "blocks"]),
+    # DDP and FSDP on 2 processes: the size is the point here, the 4-rank runs are test_ddp.py's and test_fsdp.py's
+    "ddp": Run("ddp", FLAGS, nproc=2),
+    "fsdp": Run("fsdp", FLAGS, nproc=2),
+    "fsdp-units": Run("fsdp", [*FLAGS, "--shard-units", "blocks"], nproc=2),
     "pipeline": Run("pippy", FLAGS),
     "tp": Run("tp", FLAGS),
     "fsdp-x-tp": Run("tp", [*FLAGS, "--dp", "2"]),
     "tp-2": Run("tp", FLAGS, nproc=2),
     "fsdp-from-ddp": Run(
-        "fsdp", [*FLAGS, "--shard-units", "blocks", "--resume"], rewound_from=("scale/ddp", RESUME_AT)
+        "fsdp", [*FLAGS, "--shard-units", "blocks", "--resume"], nproc=2, rewound_from=("scale/ddp", RESUME_AT)
     ),
-    "pipeline-from-fsdp": Run("pippy", [*FLAGS, "--resume"], rewound_from=("scale/fsdp-units", RESUME_AT)),
+    "pipeline-from-fsdp": Run("pippy", [*FLAGS, "--resume"], nproc=2, rewound_from=("scale/fsdp-units", RESUME_AT)),
 }
 RESUMED = {"fsdp-from-ddp": "ddp", "pipeline-from-fsdp": "fsdp-units"}
 # measured here: 4.8e-7 in the loss (2 ulp), 1.6e-8 relative in grad_norm; the reference's loss moves by 7e-3
