@@ -1,19 +1,19 @@
-"""The shared launches: every training the collected test modules compare, in one launch per process count,
-run in the background while the tests that need none of them run.
+"""The shared launches: every training the collected test modules compare, in a few launches (one per process
+count, mostly), run in the background while the tests that need none of them run.
 
-A test module lists its trainings in a module-level `POOLED` ({name: Run}); the `pool` trainings of every module
-whose selected tests read them, plus the 1-process references, run in one launch of
-tests/integration/workers/runs.py per process count (1 process first, then the most: a run may start from a
-copy of one in an earlier launch, or earlier in its own). Starting Python and torch in four processes costs
-more than a 30-step run of BabyCNN, so one launch instead of one per module saves minutes;
-`pytest tests/integration/test_fsdp.py` still runs only what that file needs. A module finds its runs under
-`pool / "<module without test_>" / name`.
+A test module lists its trainings in a module-level `POOLED` ({name: Run}); the trainings of every module whose
+selected tests read them, plus the 1-process references, run in launches of tests/integration/workers/runs.py,
+each one set of processes training one run after another (a run may start from a copy of one trained in an
+earlier launch, or earlier in its own). Starting Python and torch in four processes costs more than a 30-step run
+of BabyCNN, so a launch per process count instead of one per module saves minutes; `pytest
+tests/integration/test_fsdp.py` still runs only what that file needs. A module finds its runs under `pool /
+"<module without test_>" / name`; a training two modules ask for alike is trained once and found under both names.
 
 The launches start with the first integration test, in a thread of their own, and the tests that read them are
-moved to the end of the session: until then the tests that launch their own processes (runners, killed workers,
-elastic agents, bad input) run beside them, on the cores that the launches' collectives and process starts leave
-idle (one after the other, the suite kept both cores ~75 % busy). The tests' order is all that changes: each test
-checks what it checked, on runs no other test touches.
+moved to the end of the session, each module's as soon as the launches holding its runs have ended: until then
+the tests that launch their own processes (runners, killed workers, elastic agents, bad input) run beside them, on
+the cores the launches' collectives and process starts leave idle (one after the other, the suite kept both cores
+~75 % busy). The tests' order is all that changes: each test checks what it checked, on runs no other test writes.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import pytest
 
 from tests.helpers import PARITY, PP_PARITY, SGD, Run, start_many
 
-LAUNCH_TIMEOUT_S = 1200  # the 4-process launch trains 120 runs (~5 min alone here); a hung collective fails in 120 s
+LAUNCH_TIMEOUT_S = 1200  # the 4-process launch trains 89 runs (~3 min alone here); a hung collective fails in 120 s
 
 # The 1-process runs the distributed runs are compared with: plain training (train_ddp's training loop in a
 # world of one, no communication at all). `sgd_1thread` is `sgd` on one thread instead of two: a tolerance
@@ -45,52 +45,103 @@ REFERENCES = {
 }
 
 
+# The launch order: the references first (other runs resume their checkpoints), the 4-process launch, the longest,
+# after the short ones, so that the modules whose runs those hold are checked while it trains
+ORDER = (1, 8, 2, 3, 4)
+
+
 def uses_pool(item: pytest.Item) -> bool:
     return "pool" in item.fixturenames  # (every fixture it needs, those its fixtures need included)
 
 
+def prefix(module) -> str:
+    return module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
+
+
+@dataclass
+class Schedule:
+    """The launches, [(nproc, {name: run})] in order, and for every run name the index of the launch that trains
+    it (its own, or that of the run trained alike under another name, `aliases`)."""
+
+    launches: list[tuple[int, dict[str, Run]]]
+    launch_of: dict[str, int]
+    aliases: dict[str, str]
+
+    def needed_by(self, module: str) -> int:
+        """The last launch a module's tests need: its own runs' and the references'."""
+        return max(i for name, i in self.launch_of.items() if name.split("/")[0] in (module, "references"))
+
+
+def schedule(runs: dict[str, Run]) -> Schedule:
+    """Passes over ORDER, each launching every run of a process count whose source (Run.rewound_from) is trained by
+    then; a run whose source is not is left for a later launch of its count."""
+    launches: list[tuple[int, dict[str, Run]]] = []
+    launch_of: dict[str, int] = {}
+    aliases: dict[str, str] = {}
+    by_training: dict[str, str] = {}
+    waiting = dict(runs)
+    counts = [*ORDER, *sorted({run.nproc for run in runs.values()} - set(ORDER))]
+    while waiting:
+        before = len(waiting)
+        for nproc in counts:
+            group: dict[str, Run] = {}
+            for name, run in list(waiting.items()):
+                if run.nproc != nproc:
+                    continue
+                if (source := run.rewound_from) is not None:
+                    if source[0] not in launch_of:
+                        continue
+                    run = replace(run, rewound_from=(aliases.get(source[0], source[0]), source[1]))
+                trained_as = by_training.setdefault(repr(run), name)
+                if trained_as == name:
+                    group[name] = run
+                    launch_of[name] = len(launches)
+                else:  # trained once, found under both names
+                    aliases[name], launch_of[name] = trained_as, launch_of[trained_as]
+                del waiting[name]
+            if group:
+                launches.append((nproc, group))
+        if len(waiting) == before:
+            raise AssertionError(f"no training writes what these runs start from: {sorted(waiting)}")
+    return Schedule(launches, launch_of, aliases)
+
+
+SCHEDULE = pytest.StashKey[Schedule]()
+
+
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=uses_pool)  # (stable: the unit tests first, then the integration tests that launch their own)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    runs = {f"references/{name}": run for name, run in REFERENCES.items()}
+    for module in sorted({item.module for item in items if uses_pool(item)}, key=lambda m: m.__name__):
+        runs.update({f"{prefix(module)}/{name}": run for name, run in getattr(module, "POOLED", {}).items()})
+    plan = config.stash[SCHEDULE] = schedule(runs)
+    # (stable: the unit tests first, then the integration tests that launch their own, then each module's that read
+    # the launches, in the order its launches end)
+    items.sort(key=lambda item: (uses_pool(item), uses_pool(item) and plan.needed_by(prefix(item.module))))
 
 
 class Launches:
-    """The pool's launches, one process count after another, in a thread: `wait()` returns the pool's root once
-    every launch has ended well, and raises what a failed one printed; `stop()` ends whatever still runs."""
+    """The schedule's launches, one after another, in a thread: `wait(i)` returns once launches 0..i have ended
+    well, and raises what a failed one printed; `stop()` ends whatever still runs."""
 
-    def __init__(self, runs: dict[str, Run], root: Path) -> None:
-        self.runs, self.root = runs, root
+    def __init__(self, plan: Schedule, root: Path) -> None:
+        self.plan, self.root = plan, root
         self.running: subprocess.Popen | None = None
+        self.ended = 0  # launches ended well
         self.failure: str | None = None
         self.stopped = False
-        self.lock = threading.Lock()  # (a launch is either started before stop() or not at all)
+        self.changed = threading.Condition()  # (a launch is either started before stop() or not at all)
+        for name in plan.launch_of:
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+        for name, trained_as in plan.aliases.items():  # the folder and what the run printed
+            for suffix in ("", ".log"):
+                (root / f"{name}{suffix}").symlink_to(root / f"{trained_as}{suffix}")
         self.thread = threading.Thread(target=self.launch_all, daemon=True)
         self.thread.start()
 
     def launch_all(self) -> None:
-        trained: dict[str, str] = {}  # {name: the name whose run it is}: two modules may ask for the same training
-        by_training: dict[str, str] = {}
-        # the 1-process references first (other runs resume their checkpoints), then the largest worlds
-        for nproc in sorted({run.nproc for run in self.runs.values()}, key=lambda n: (n != 1, -n)):
-            group = {}
-            for name, run in self.runs.items():
-                if run.nproc != nproc:
-                    continue
-                if (source := run.rewound_from) is not None:
-                    if source[0] not in trained:
-                        self.failure = f"{name} starts from {source[0]}, which no earlier run writes"
-                        return
-                    run = replace(run, rewound_from=(trained[source[0]], source[1]))
-                trained[name] = by_training.setdefault(repr(run), name)
-                (self.root / name).parent.mkdir(parents=True, exist_ok=True)
-                if trained[name] == name:
-                    group[name] = run
-                else:  # trained once, found under both names: the folder and what the run printed
-                    for suffix in ("", ".log"):
-                        (self.root / f"{name}{suffix}").symlink_to(self.root / f"{trained[name]}{suffix}")
-            if not group:
-                continue
-            with self.lock:
+        for nproc, group in self.plan.launches:
+            with self.changed:
                 if self.stopped:
                     return
                 self.running = start_many(group, nproc, self.root)
@@ -99,18 +150,25 @@ class Launches:
             except subprocess.TimeoutExpired:
                 self.stop()
                 printed = self.running.communicate()[0]
-            if self.running.returncode != 0:
-                self.failure = f"the {nproc}-process launch exited {self.running.returncode}:\n{printed[-8000:]}"
+            with self.changed:
+                if self.running.returncode != 0:
+                    self.failure = f"the {nproc}-process launch exited {self.running.returncode}:\n{printed[-8000:]}"
+                    self.stopped = True
+                else:
+                    self.ended += 1
+                self.changed.notify_all()
+            if self.failure:
                 return
 
-    def wait(self) -> Path:
-        self.thread.join()
+    def wait(self, launch: int) -> Path:
+        with self.changed:
+            self.changed.wait_for(lambda: self.ended > launch or self.failure is not None)
         if self.failure:
             raise AssertionError(self.failure)
         return self.root
 
     def stop(self) -> None:
-        with self.lock:
+        with self.changed:
             self.stopped = True
             if self.running is not None and self.running.poll() is None:
                 os.killpg(self.running.pid, signal.SIGKILL)  # torchrun and its workers: a session of their own
@@ -118,15 +176,10 @@ class Launches:
 
 @pytest.fixture(scope="session", autouse=True)
 def launches(request, tmp_path_factory) -> Iterator[Launches | None]:
-    runs = {f"references/{name}": run for name, run in REFERENCES.items()}
-    modules = {item.module for item in request.session.items if uses_pool(item)}
-    for module in sorted(modules, key=lambda m: m.__name__):
-        prefix = module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
-        runs.update({f"{prefix}/{name}": run for name, run in getattr(module, "POOLED", {}).items()})
-    if not modules:
+    if not any(uses_pool(item) for item in request.session.items):
         yield None
         return
-    started = Launches(runs, tmp_path_factory.mktemp("pool"))
+    started = Launches(request.config.stash[SCHEDULE], tmp_path_factory.mktemp("pool"))
     yield started
     started.stop()  # (a session ended early: nothing keeps training after it)
 
@@ -139,11 +192,12 @@ class Pool:
         return self.root / name
 
 
-@pytest.fixture(scope="session")
-def pool(launches) -> Pool:
-    return Pool(launches.wait())
+@pytest.fixture(scope="module")
+def pool(request, launches) -> Pool:
+    """The launches, once those holding this module's runs (and the references) have ended."""
+    return Pool(launches.wait(launches.plan.needed_by(prefix(request.module))))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def references(pool) -> dict[str, Path]:
     return {name: pool / "references" / name for name in REFERENCES}

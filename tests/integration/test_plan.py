@@ -7,6 +7,7 @@ itself saw it."""
 
 import json
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -48,6 +49,23 @@ WALL_VARIANTS = (
 )
 
 
+# What the planner does not read (its fake step evaluates nothing, writes nothing, builds the model without dropout):
+# configurations that differ only there are planned once for the module, so the real runs' plans reuse the closed
+# form's
+NOT_PLANNED = ("out", "train_size", "test_size", "max_steps", "log_every", "measure_peak", "dropout")
+
+
+PLANNED_RANKS: dict[str, object] = {}
+
+
+def plan_of(cfg: Config, world_size: int, rank: int):
+    cfg = replace(cfg, **{name: getattr(Config(), name) for name in NOT_PLANNED})
+    key = repr((cfg, world_size, rank))
+    if key not in PLANNED_RANKS:
+        PLANNED_RANKS[key] = plan_rank(cfg, world_size, rank)
+    return PLANNED_RANKS[key]
+
+
 def flags(size: str, variant: str, nproc: int) -> list[str]:
     per_rank = 2 if size == "medium" else 32  # as a default 4-process run (a pipeline: 32 per stage); 201 M: 2
     batch = ["--batch-size", str(per_rank * nproc)]
@@ -77,7 +95,7 @@ def test_the_plan_is_what_each_rank_of_a_real_run_holds(pool, size, variant):
         cfg = parse_config(strategy, flags(size, variant, nproc), world_size=nproc)
         assert run["memory"]["peak"]["step"] == 2
         for measured in run["memory"]["per_rank"]:
-            planned = plan_rank(cfg, nproc, measured["rank"])
+            planned = plan_of(cfg, nproc, measured["rank"])
             where = f"{size} {variant} on {nproc}, rank {measured['rank']}"
             # the state, byte for byte: the same wrap and optimizer, counted by the same function
             assert (planned.param_bytes, planned.grad_bytes, planned.optim_bytes) == (
@@ -101,11 +119,13 @@ def test_the_plan_is_what_each_rank_of_a_real_run_holds(pool, size, variant):
 def test_the_closed_form_is_within_25_percent_of_the_planner(model, size):
     variants = VIT_VARIANTS if model == "vit" else WALL_VARIANTS
     for variant in variants:
-        for n in (1, 2, 3, 4) if model == "cnn" else (2,) if size == "baby" else (4,):  # (fake 200 M: seconds)
+        # the CNN on 1 process, on 3 (shards and batches that do not divide) and on 4; the ViT on 2 and, fake 200 M
+        # (seconds a plan), on 4
+        for n in (1, 3, 4) if model == "cnn" else (2,) if size == "baby" else (4,):
             cfg = variant_config(variant, Config(model=model, model_size=size, batch_size=32 * n), n)
             if cfg is None:  # FSDP x TP on 3 ranks: no TP degree splits a width of 2^k
                 continue
-            planned = max(plan_rank(cfg, n, rank).peak_bytes for rank in ranks_to_measure(cfg, n))
+            planned = max(plan_of(cfg, n, rank).peak_bytes for rank in ranks_to_measure(cfg, n))
             closed = planned_peak_bytes(cfg, n)
             assert abs(closed - planned) <= CLOSED_FORM_TOLERANCE * planned, (size, variant, n, closed, planned)
 
@@ -120,7 +140,7 @@ def test_the_largest_batch_is_planned_to_fit_and_the_next_one_up_not():
         assert found is not None and 32 < found.fits and found.over == found.fits + step, (variant, found)
         for per_rank, fits in ((found.fits, True), (found.over, False)):
             cfg = variant_config(variant, Config(batch_size=per_rank * n), n)
-            ranks = [plan_rank(cfg, n, rank) for rank in ranks_to_measure(cfg, n)]
+            ranks = [plan_of(cfg, n, rank) for rank in ranks_to_measure(cfg, n)]
             worst = max(r.peak_bytes + r.in_flight_bytes for r in ranks)
             assert (worst <= memory) == fits and worst in (found.fits_bytes, found.over_bytes), (variant, per_rank)
 
