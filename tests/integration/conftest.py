@@ -140,6 +140,14 @@ class Launches:
         self.thread.start()
 
     def launch_all(self) -> None:
+        try:
+            self.launch_each()
+        except BaseException as error:  # (a launch that could not even start must not leave the tests waiting)
+            with self.changed:
+                self.failure = f"the launches failed: {error!r}"
+                self.changed.notify_all()
+
+    def launch_each(self) -> None:
         for nproc, group in self.plan.launches:
             with self.changed:
                 if self.stopped:
