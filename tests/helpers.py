@@ -204,9 +204,9 @@ class Run:
 
 def start_many(runs: dict[str, Run], nproc: int, root: Path) -> subprocess.Popen:
     """Several trainings {name: run}, all on nproc processes, one after another in ONE launch (torchrun; plain
-    python for one), started in a process group of its own (to be killed whole) and returned, its output in one
-    pipe; each writes to root / name, and a `rewound_from` name is read from root too.
-    tests/integration/workers/runs.py runs the real train_<strategy>.train for each."""
+    python for one), started in a process group of its own (start_process) and returned; each writes to root /
+    name, and a `rewound_from` name is read from root too. tests/integration/workers/runs.py runs the real
+    train_<strategy>.train for each."""
     spec = {
         str(root / name): {
             "strategy": run.strategy,
@@ -219,15 +219,7 @@ def start_many(runs: dict[str, Run], nproc: int, root: Path) -> subprocess.Popen
     path = Path(tempfile.mkstemp(suffix=".json", prefix="runs-", dir=root)[1])
     path.write_text(json.dumps(spec))
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else []
-    return subprocess.Popen(
-        [sys.executable, *launcher, "tests/integration/workers/runs.py", str(path)],
-        cwd=ROOT,
-        env=env_for_tests(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    return start_process([sys.executable, *launcher, "tests/integration/workers/runs.py", str(path)], new_session=True)
 
 
 # ------------------------------------------------------------------------------------ killing a worker
@@ -274,8 +266,17 @@ def start_runner(
 ) -> subprocess.Popen:
     """bash run_<strategy>.sh, its output in one pipe; with `new_session`, in a process group of its own, as a
     terminal starts it (to press Ctrl-C); `preexec_fn` runs in it before bash (a resource limit, say)."""
+    cmd = ["bash", f"run_{strategy}.sh", *flags, "--out", str(out)]
+    return start_process(cmd, new_session=new_session, preexec_fn=preexec_fn, **env)
+
+
+def start_process(
+    cmd: list[str], *, new_session: bool = False, preexec_fn: Callable[[], None] | None = None, **env: str
+) -> subprocess.Popen:
+    """`cmd` started in the checkout with the tests' environment (and `env`), its output in one pipe; with
+    `new_session`, in a process group of its own (to be signalled or killed whole)."""
     return subprocess.Popen(
-        ["bash", f"run_{strategy}.sh", *flags, "--out", str(out)],
+        cmd,
         cwd=ROOT,
         env={**env_for_tests(), **env},
         stdout=subprocess.PIPE,

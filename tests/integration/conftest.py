@@ -112,12 +112,14 @@ SCHEDULE = pytest.StashKey[Schedule]()
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     runs = {f"references/{name}": run for name, run in REFERENCES.items()}
-    for module in sorted({item.module for item in items if uses_pool(item)}, key=lambda m: m.__name__):
+    modules = sorted({item.module for item in items if uses_pool(item)}, key=lambda m: m.__name__)
+    for module in modules:
         runs.update({f"{prefix(module)}/{name}": run for name, run in getattr(module, "POOLED", {}).items()})
     plan = config.stash[SCHEDULE] = schedule(runs)
+    ends = {module: plan.needed_by(prefix(module)) for module in modules}  # the last launch each module reads
     # (stable: the unit tests first, then the integration tests that launch their own, then each module's that read
     # the launches, in the order its launches end)
-    items.sort(key=lambda item: (uses_pool(item), uses_pool(item) and plan.needed_by(prefix(item.module))))
+    items.sort(key=lambda item: ends[item.module] if uses_pool(item) else -1)
 
 
 class Launches:

@@ -35,10 +35,9 @@ from tests.helpers import (
     workers_writing_to,
 )
 
-# 40 steps, a checkpoint every 10; --lr 2e-3, where a 1-ulp difference would grow: only an exact resume matches
-FLAGS = EXACT
 STRATEGIES = ("ddp", "fsdp", "pippy", "tp")
-POOLED = {s: Run(s, FLAGS, nproc=2) for s in STRATEGIES}  # the uninterrupted runs (test_resume.py's too)
+# the uninterrupted runs (test_resume.py's too): 40 steps at --lr 2e-3, a checkpoint every 10 (helpers.EXACT)
+POOLED = {s: Run(s, EXACT, nproc=2) for s in STRATEGIES}
 # what a run prints when nothing goes wrong: everything else counts against the 3 lines an interruption may add
 TRAINING = re.compile(
     r"^(DDP|FSDP|pipeline|TP) \||^\w[\w-]*: \d+ train|^Baby(CNN|ViT)|^  stage \d|^resum|^(step|eval) +\d+/"
@@ -107,7 +106,7 @@ def test_ctrl_c_then_two_preemptions_then_the_run_ends_on_the_uninterrupted_curv
     the runner once step 25 is; continued to the end. Every stop is one or two lines, no traceback; every
     continuation resumes from the checkpoint the stop left; the curve is the uninterrupted one."""
     out = tmp_path / "run"
-    runner = start("ddp", FLAGS, out)
+    runner = start("ddp", EXACT, out)
     code, printed = when_past(runner, out, 13, lambda: os.killpg(runner.pid, signal.SIGINT))
     assert code == 130, printed[-3000:]
     assert len(extra_lines(printed)) == 1 and "Traceback" not in printed, printed[-3000:]
@@ -116,13 +115,13 @@ def test_ctrl_c_then_two_preemptions_then_the_run_ends_on_the_uninterrupted_curv
     )
     at, latest = int(interrupted.group(1)), int(interrupted.group(3))
     assert 13 <= at < 40 and latest == at // 10 * 10 and interrupted.group(2) == f"{out}/checkpoints/step_{latest:07d}"
-    assert continue_command(printed) == f"NPROC=2 bash run_ddp.sh {shlex.join(FLAGS)} --out {out} --resume"
+    assert continue_command(printed) == f"NPROC=2 bash run_ddp.sh {shlex.join(EXACT)} --out {out} --resume"
     assert not list((out / "checkpoints").glob("*.tmp"))
 
     # SIGTERM to torchrun alone: it passes it to its workers, which save the step they finish and stop
     before = read_metrics(out)[0]
     code, printed = when_past(
-        start("ddp", [*FLAGS, "--resume"], out), out, 17, lambda: os.kill(torchrun_pid(out), signal.SIGTERM)
+        start("ddp", [*EXACT, "--resume"], out), out, 17, lambda: os.kill(torchrun_pid(out), signal.SIGTERM)
     )
     assert code == 143 and len(extra_lines(printed)) <= 3 and "Traceback" not in printed, printed[-3000:]
     assert_resumed(out, latest, printed)
@@ -131,7 +130,7 @@ def test_ctrl_c_then_two_preemptions_then_the_run_ends_on_the_uninterrupted_curv
     assert 17 <= stopped < 40 and (out / "checkpoints" / f"step_{stopped:07d}").is_dir(), printed[-3000:]
 
     # --preempt-signal USR2 (a resume may change it), and SIGUSR2 to the runner once step 25 is logged
-    before, usr2 = read_metrics(out)[0], [*FLAGS, "--preempt-signal", "USR2", "--resume"]
+    before, usr2 = read_metrics(out)[0], [*EXACT, "--preempt-signal", "USR2", "--resume"]
     code, printed = when_past(start("ddp", usr2, out), out, 25, lambda: runner_signal(out, signal.SIGUSR2))
     assert code == 128 + signal.SIGUSR2 and len(extra_lines(printed)) <= 3 and "Traceback" not in printed, printed
     assert_resumed(out, stopped, printed)
@@ -159,7 +158,7 @@ def runner_signal(out: Path, sig: int = signal.SIGTERM) -> None:
 @pytest.mark.parametrize("strategy", ("fsdp", "pippy", "tp"))
 def test_sigterm_to_the_runner_at_step_25_saves_and_the_resumed_run_is_bit_for_bit(uninterrupted, tmp_path, strategy):
     out = tmp_path / "run"
-    code, printed = when_past(start(strategy, FLAGS, out), out, 25, lambda: runner_signal(out))
+    code, printed = when_past(start(strategy, EXACT, out), out, 25, lambda: runner_signal(out))
     assert code == 143 and len(extra_lines(printed)) <= 3 and "Traceback" not in printed, printed[-3000:]
     step = int(re.search(r"stopped by SIGTERM after step (\d+) of 40", printed).group(1))
     assert 25 <= step < 40 and (out / "checkpoints" / f"step_{step:07d}").is_dir()
@@ -174,7 +173,7 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_resume_continues(un
     as it answers ENOSPC on a full disk), resuming after step 10; the step-20 checkpoint (6 MB on rank 0)
     cannot be written. Then, without the limit, --resume continues from step 10."""
     out = rewind(uninterrupted / "ddp", tmp_path / "run", 10)
-    runner = start("ddp", [*FLAGS, "--resume"], out, limit=(resource.RLIMIT_FSIZE, 1 << 20))
+    runner = start("ddp", [*EXACT, "--resume"], out, limit=(resource.RLIMIT_FSIZE, 1 << 20))
     printed = runner.communicate(timeout=LAUNCH_TIMEOUT_S)[0]
     assert runner.returncode == 1, printed[-3000:]
     (line,) = extra_lines(printed)
@@ -187,7 +186,7 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_resume_continues(un
     ), printed[-3000:]
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_0000010"]
     before = read_metrics(out)[0]
-    finished = run_shell(f"NPROC=2 bash run_ddp.sh {' '.join(FLAGS)} --resume --out {out}")
+    finished = run_shell(f"NPROC=2 bash run_ddp.sh {' '.join(EXACT)} --resume --out {out}")
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     assert_continues_exactly(out, uninterrupted / "ddp", 10, finished.stdout, before)
 
@@ -197,7 +196,7 @@ def test_a_rank_stuck_past_timeout_s_ends_the_job_in_one_line(tmp_path):
     collective; after --timeout-s it gives up and the job ends in one line naming the step, exit 1. (The stopped
     rank is let go once the other has ended, so that torchrun need not wait to kill it.)"""
     out = tmp_path / "run"
-    runner = start("ddp", [*FLAGS, "--timeout-s", "5", "--max-steps", "400", "--epochs", "20"], out)
+    runner = start("ddp", [*EXACT, "--timeout-s", "5", "--max-steps", "400", "--epochs", "20"], out)
     frozen = []
 
     def freeze_rank_1() -> None:
@@ -249,7 +248,7 @@ def test_cuda_out_of_memory_is_one_line_naming_the_rank_and_the_step():
 def test_metrics_that_cannot_be_written_are_one_line_and_every_line_kept_is_whole(tmp_path):
     """metrics.jsonl under a 4 KB file-size limit: it fills up after ~15 records."""
     out = tmp_path / "run"
-    flags = [*FLAGS, "--checkpoint-every", "0"]
+    flags = [*EXACT, "--checkpoint-every", "0"]
     runner = start("ddp", flags, out, limit=(resource.RLIMIT_FSIZE, 4096))
     printed = runner.communicate(timeout=LAUNCH_TIMEOUT_S)[0]
     assert runner.returncode == 1, printed[-3000:]
@@ -267,7 +266,7 @@ def test_sigusr1_to_every_process_as_slurm_sends_it_saves_and_stops(tmp_path):
     """SLURM's --signal=USR1@90 reaches every process of the job: the runner, torchrun (which must survive it: its
     default action would kill it) and the workers (each notes it once)."""
     out = tmp_path / "run"
-    runner = start("ddp", FLAGS, out)
+    runner = start("ddp", EXACT, out)
 
     def signal_every_process() -> None:
         for pid, argv in processes():
@@ -284,7 +283,7 @@ def test_ctrl_c_on_a_script_run_without_the_runner_is_one_line(tmp_path):
     """`python train_ddp.py` (what run_all.sh does for its reference): rank 0 says where it was, exit 130."""
     out = tmp_path / "run"
     script = subprocess.Popen(
-        [sys.executable, "train_ddp.py", *FLAGS, "--max-steps", "400", "--epochs", "20", "--out", str(out)],
+        [sys.executable, "train_ddp.py", *EXACT, "--max-steps", "400", "--epochs", "20", "--out", str(out)],
         cwd=ROOT,
         env=env_for_tests(),
         stdout=subprocess.PIPE,

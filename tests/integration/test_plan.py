@@ -13,7 +13,7 @@ import pytest
 
 from common.cli import parse_config
 from common.config import Config
-from planner.measure import plan_rank
+from planner.measure import RankMemory, plan_rank
 from planner.plan import VIT_VARIANTS, plan, ranks_to_measure, variant_config
 from planner.report import largest_batch
 from runner.memory import planned_peak_bytes
@@ -53,13 +53,12 @@ WALL_VARIANTS = (
 # configurations that differ only there are planned once for the module, so the real runs' plans reuse the closed
 # form's
 NOT_PLANNED = ("out", "train_size", "test_size", "max_steps", "log_every", "measure_peak", "dropout")
+DEFAULTS = {name: getattr(Config(), name) for name in NOT_PLANNED}
+PLANNED_RANKS: dict[str, RankMemory] = {}
 
 
-PLANNED_RANKS: dict[str, object] = {}
-
-
-def plan_of(cfg: Config, world_size: int, rank: int):
-    cfg = replace(cfg, **{name: getattr(Config(), name) for name in NOT_PLANNED})
+def plan_of(cfg: Config, world_size: int, rank: int) -> RankMemory:
+    cfg = replace(cfg, **DEFAULTS)
     key = repr((cfg, world_size, rank))
     if key not in PLANNED_RANKS:
         PLANNED_RANKS[key] = plan_rank(cfg, world_size, rank)
