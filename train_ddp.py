@@ -89,7 +89,7 @@ def train(cfg: Config, env: DistEnv) -> None:
     scaler = loss_scaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
 
     def lay_out_buckets() -> None:
-        # [DDP] After a process's first backward DDP (torch 2.14.1) lays its gradient buckets out again, in the
+        # [DDP] After a process's first backward DDP lays its gradient buckets out again (docs/versions.md), in the
         # order the gradients became ready, and the layout decides the order in which gloo/NCCL sum each element.
         # A throwaway backward gives this process the layout the uninterrupted run has at this step, so it
         # repeats that run bit for bit; the checkpoint then overwrites weights, optimizer state and RNG.

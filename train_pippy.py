@@ -43,15 +43,16 @@ from common.runs import total_steps
 from common.training import autocast, build_optimizer, evaluate, loss_scaler, lr_at, set_lr
 from train_tp import apply_tp
 
-# [PP] The schedules, by --schedule (docs/pipeline.md draws each)
+# [PP] The schedules, by --schedule (docs/pipeline.md draws each): names in torch.distributed.pipelining, looked
+# up when used, so that a torch without the newest (DualPipeV: 2.9) still runs the others
 SCHEDULES = {
-    "gpipe": pp.ScheduleGPipe,  # all forwards, then all backwards (fill, drain)
-    "1f1b": pp.Schedule1F1B,  # one forward, one backward in the steady state
-    "interleaved-1f1b": pp.ScheduleInterleaved1F1B,  # 1F1B over several (looped) stages per rank
-    "looped-bfs": pp.ScheduleLoopedBFS,  # breadth first: all micro-batches of a stage at once
-    "interleaved-zb": pp.ScheduleInterleavedZeroBubble,  # backward split in input and weight parts (ZB1P)
-    "zbv": pp.ScheduleZBVZeroBubble,  # zero bubble, stages placed in a V
-    "dualpipev": pp.ScheduleDualPipeV,  # DeepSeek's DualPipe, V placement
+    "gpipe": "ScheduleGPipe",  # all forwards, then all backwards (fill, drain)
+    "1f1b": "Schedule1F1B",  # one forward, one backward in the steady state
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",  # 1F1B over several (looped) stages per rank
+    "looped-bfs": "ScheduleLoopedBFS",  # breadth first: all micro-batches of a stage at once
+    "interleaved-zb": "ScheduleInterleavedZeroBubble",  # backward split in input and weight parts (ZB1P)
+    "zbv": "ScheduleZBVZeroBubble",  # zero bubble, stages placed in a V
+    "dualpipev": "ScheduleDualPipeV",  # DeepSeek's DualPipe, V placement
 }
 
 
@@ -110,7 +111,8 @@ def make_schedule(name: str, stages: list[PipelineStage], n_microbatches: int, l
     scale_grads=False: `loss_fn` already divides by the number of micro-batches, so the gradients summed over a
     step are those of the batch's mean. (The default, True, divides every .grad after the step's last backward:
     right for one step() of mean losses, but it would also shrink what an earlier step() accumulated.)"""
-    schedule = SCHEDULES[name]  # [PP] a single-stage schedule takes this rank's one stage, the others the list
+    schedule = getattr(pp, SCHEDULES[name])  # [PP]
+    # [PP] a single-stage schedule takes this rank's one stage, the others the list
     stages_arg = stages[0] if issubclass(schedule, pp.PipelineScheduleSingle) else stages
     return schedule(stages_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)  # [PP]
 

@@ -23,6 +23,8 @@ from common.config import Config
 from common.errors import ConfigError
 from common.model_sizes import layers, parameter_count, tp_layer_params, tp_pairs
 from common.pipeline_layout import PipelineLayout
+from common.versions import NEEDS_PLANNER
+from runner.entry import require_torch
 from runner.memory import MIB_PER_CPU_PROCESS, available_mib, check_memory
 
 VARIANTS = {  # name -> (runner, flags)
@@ -114,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="steps per run (the first is left out of samples/s)")
     parser.add_argument("--out", default="runs/scale")
     args = parser.parse_args(argv)
+    require_torch(NEEDS_PLANNER, "python -m bench.scale")  # it plans each run
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -18,6 +18,8 @@ from typing import Any, Sequence
 from bench.launches import failure, launch, read_run_json, records
 from bench.report import fmt, md_table
 from common.cli import parse_config
+from common.versions import NEEDS_PLANNER
+from runner.entry import require_torch
 
 VARIANTS = {  # name -> (runner, flags); "sp": --sequence-parallel, the ViT's only
     "ddp": ("ddp", []),
@@ -84,6 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="steps per run (the first two not timed)")
     parser.add_argument("--out", default="runs/tp")
     args = parser.parse_args(argv)
+    require_torch(NEEDS_PLANNER, "python -m bench.tp")  # it plans each run
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -38,7 +38,7 @@ def clip_grad_norm(
             sharded_over, g = tuple(g.device_mesh.get_group(d) for d in dims), g.to_local()
         grads.append(g)
         acc = sums.setdefault(sharded_over, torch.zeros((), dtype=torch.float64, device=device))
-        # Never in the gradients' dtype (bf16 loses digits). On a CPU in fp64: torch 2.14.1's CPU kernel is 1e-4 off
+        # Never in the gradients' dtype (bf16 loses digits). On a CPU in fp64: the CPU kernel is 1e-4 off
         # in fp32 for fc1's million elements (pytorch/pytorch#169237), more than the strategies differ by.
         dtype = torch.float64 if g.device.type == "cpu" else torch.float32
         acc += torch.linalg.vector_norm(g, dtype=dtype).to(device, torch.float64).square()

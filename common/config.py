@@ -28,6 +28,7 @@ OPTIMIZERS = ("sgd", "adamw")
 SHARDINGS = ("full", "grad-op", "hybrid", "none")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
 STRATEGIES = ("ddp", "fsdp", "pippy", "tp")
+BATCH_TOO_BIG = "the global batch {} is larger than the training set ({} samples); use a smaller batch or more data"
 PREEMPT_SIGNALS = ("USR1", "USR2")  # SIGTERM is always one; SIGINT (Ctrl-C) stops at once, without a checkpoint
 CHOICES = {  # flag -> (what it names, its values)
     "dataset": ("data set", ("digits", "mnist", "fashion-mnist", "cifar10")),
@@ -225,6 +226,9 @@ class Config:
         power = self.loss_scale >= 1 and math.log2(self.loss_scale).is_integer()  # (False for inf and nan)
         need(power, "loss-scale", f"must be a power of two, 1 or more (e.g. 65536), got {self.loss_scale}")
         need(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), got {self.dropout}")
+        from common.versions import check_torch  # the installed torch: read from its metadata, not imported
+
+        check_torch(self.strategy, tp=self.tp, schedule=self.schedule)
         if self.profile_steps or self.memory_snapshot or self.tensorboard:
             from common.optional_checks import check_observability  # only with a flag, like the features themselves
 
@@ -239,7 +243,7 @@ class Config:
         # the built-in data set's size is a flag, so this is known before any worker starts (for the
         # torchvision ones the sampler says the same once the data is loaded)
         too_big = self.dataset == "digits" and self.batch_size > self.train_size
-        need(not too_big, "batch-size", batch_larger_than_data(self.batch_size, self.train_size))
+        need(not too_big, "batch-size", BATCH_TOO_BIG.format(self.batch_size, self.train_size))
         problem = f"{self.grad_accum_steps} does not divide --batch-size {self.batch_size}"
         need(self.batch_size % self.grad_accum_steps == 0, "grad-accum-steps", problem)
         if world_size is not None:
@@ -308,13 +312,6 @@ class Config:
             tp, steps = world_size // self.dp, self.grad_accum_steps
             return f"{self.dp} replicas x {steps} accumulation steps x {chunk} (the same on its {tp} TP ranks)"
         return f"{world_size} ranks x {self.grad_accum_steps} accumulation steps x {chunk}"
-
-
-def batch_larger_than_data(batch_size: int, n_samples: int) -> str:
-    return (
-        f"the global batch {batch_size} is larger than the training set ({n_samples} samples); "
-        f"use a smaller batch or more data"
-    )
 
 
 # Flags that exist only in some scripts; all other fields are flags of every script.

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.config import Config, batch_larger_than_data
+from common.config import BATCH_TOO_BIG, Config
 from common.errors import ConfigError
 
 
@@ -95,7 +95,7 @@ class GlobalBatchSampler:
 
     def __init__(self, n_samples: int, global_batch_size: int, *, seed: int) -> None:
         if global_batch_size > n_samples:
-            raise ConfigError(f"--batch-size: {batch_larger_than_data(global_batch_size, n_samples)}")
+            raise ConfigError(f"--batch-size: {BATCH_TOO_BIG.format(global_batch_size, n_samples)}")
         self.n_samples = n_samples
         self.global_batch_size = global_batch_size
         self.seed = seed

@@ -20,10 +20,11 @@ import time
 from typing import Sequence
 
 from common.config import MODEL_SIZES, MODELS, OPTIMIZERS, Config
+from common.versions import NEEDS_PLANNER
 from common.vit_sizes import VIT_SIZES
 from planner.plan import ALL_VARIANTS, DEFAULT_VARIANTS, VIT_VARIANTS, Plan, plan
 from planner.report import draw, fitting, table
-from runner.entry import fail
+from runner.entry import fail, require_torch
 
 UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -50,6 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", help="also write every plan here")
     parser.add_argument("--out", help="also draw the plans into this PNG")
     args = parser.parse_args(argv)
+    require_torch(NEEDS_PLANNER, "python -m planner")
     if args.model_size not in (sizes := VIT_SIZES if args.model == "vit" else MODEL_SIZES):
         fail(f"--model-size: unknown {args.model} size {args.model_size!r}; choose one of {', '.join(sizes)}")
     try:

@@ -11,7 +11,7 @@ peak_bytes with --measure-peak).
 
 DDP cannot be built on fake tensors as the script builds it (its constructor broadcasts the weights and reads
 data), so the planner passes init_sync=False and a do-nothing communication hook (DDP's own `noop_hook`), and
-plans a single step: at the second, DDP would re-lay its buckets from real data (torch 2.14.1). Its buckets are
+plans a single step: at the second, DDP would re-lay its buckets from real data (docs/versions.md). Its buckets are
 counted from the moment it allocates them.
 """
 

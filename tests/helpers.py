@@ -17,6 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+import pytest
+
+from common.versions import Need, older_than
+
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH_TIMEOUT_S = 240
 
@@ -52,6 +56,13 @@ EXACT += ["--checkpoint-every", "10"]
 # at 0.02 the loss spikes and 4-rank runs drift 2e-4 from it within 24 steps; at 0.005, over 30 steps, 1- vs
 # 2-thread runs agree to ~2e-6 and 4 ranks to ~3e-5 (measured here).
 SGD = ["--optimizer", "sgd", "--lr", "0.005"]
+
+
+def needs_torch(need: Need) -> pytest.MarkDecorator:
+    """Skip, saying why, where the installed torch is older than `need` (common/versions.py): the suite's own
+    refusal is what such a torch gets, and tests/floor checks it."""
+    (major, minor), what, _ = need
+    return pytest.mark.skipif(older_than(need), reason=f"{what} needs torch >= {major}.{minor} (docs/versions.md)")
 
 
 def env_for_tests() -> dict[str, str]:

@@ -28,6 +28,9 @@ from typing import Iterator
 
 import pytest
 
+from common.cli import build_parser
+from common.config import STRATEGIES
+from common.versions import Need, newer_needs, older_than
 from tests.helpers import PARITY, PP_PARITY, SGD, Run, start_many
 
 LAUNCH_TIMEOUT_S = 1200  # the 4-process launch trains 89 runs (~3 min alone here); a hung collective fails in 120 s
@@ -107,16 +110,50 @@ def schedule(runs: dict[str, Run]) -> Schedule:
 
 
 SCHEDULE = pytest.StashKey[Schedule]()
+DROPPED = pytest.StashKey[dict]()
+
+
+def unmet_need(run: Run) -> Need | None:
+    """What of a newer torch than the installed one `run` needs (common/versions.py), if anything."""
+    if run.strategy not in STRATEGIES:
+        return None
+    flags, _ = build_parser(run.strategy).parse_known_args(run.flags)
+    needs = newer_needs(run.strategy, tp=getattr(flags, "tp", 1), schedule=getattr(flags, "schedule", ""))
+    return next((need for need in needs.values() if older_than(need)), None)
+
+
+def without_unmet(runs: dict[str, Run]) -> tuple[dict[str, Run], dict[str, Need]]:
+    """The runs this torch can train, and those it cannot ({name: need}), a run that starts from one of those too."""
+    dropped = {name: need for name, run in runs.items() if (need := unmet_need(run))}
+    while more := {n: dropped[r.rewound_from[0]] for n, r in runs.items() if n not in dropped and r.rewound_from
+                   and r.rewound_from[0] in dropped}:  # fmt: skip
+        dropped.update(more)
+    return {name: run for name, run in runs.items() if name not in dropped}, dropped
+
+
+def skipped(item: pytest.Item) -> bool:
+    return any(m.name == "skip" or (m.args and m.args[0] is True) for m in item.iter_markers() if "skip" in m.name)
 
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    runs = {f"references/{name}": run for name, run in REFERENCES.items()}
     modules = sorted({item.module for item in items if uses_pool(item)}, key=lambda m: m.__name__)
-    for module in modules:
-        runs.update({f"{prefix(module)}/{name}": run for name, run in getattr(module, "POOLED", {}).items()})
+    runs = {f"{prefix(m)}/{name}": run for m in modules for name, run in getattr(m, "POOLED", {}).items()}
+    # On an older torch (tests/floor) the runs it cannot train are not launched, and the tests they are a parameter
+    # of skip, saying why; a module none of whose tests is left launches nothing
+    runs, dropped = without_unmet(runs)
+    config.stash[DROPPED] = dropped
+    for item in items:
+        params = {f"{prefix(item.module)}/{v}" for v in getattr(getattr(item, "callspec", None), "params", {}).values()}
+        if uses_pool(item) and (need := next((dropped[p] for p in params if p in dropped), None)):
+            (major, minor), what, _ = need
+            item.add_marker(pytest.mark.skip(reason=f"{what} needs torch >= {major}.{minor} (docs/versions.md)"))
+    modules = [m for m in modules if not all(skipped(i) for i in items if i.module is m and uses_pool(i))]
+    runs = {name: run for name, run in runs.items() if name.split("/")[0] in {prefix(m) for m in modules}}
+    runs.update({f"references/{name}": run for name, run in REFERENCES.items()})
     plan = config.stash[SCHEDULE] = schedule(runs)
     ends = {module: plan.needed_by(prefix(module)) for module in modules}  # the last launch each module reads
+    ends.update({item.module: -1 for item in items if item.module not in ends})  # (all of its tests skip)
     # (stable: the unit tests first, then the integration tests that launch their own, then each module's that read
     # the launches, in the order its launches end)
     items.sort(key=lambda item: ends[item.module] if uses_pool(item) else -1)
@@ -206,6 +243,18 @@ class Pool:
 def pool(request, launches) -> Pool:
     """The launches, once those holding this module's runs (and the references) have ended."""
     return Pool(launches.wait(launches.plan.needed_by(prefix(request.module))))
+
+
+@pytest.fixture(scope="module")
+def untrained(request) -> dict[str, str]:
+    """{name: why} of this module's shared runs that the installed torch cannot train (an older one: tests/floor): a
+    test that reads several runs leaves these out, or skips saying why (`skip_if_untrained`)."""
+    mine = prefix(request.module) + "/"
+    return {
+        name.removeprefix(mine): f"{what} needs torch >= {major}.{minor} (docs/versions.md)"
+        for name, ((major, minor), what, _) in request.config.stash[DROPPED].items()
+        if name.startswith(mine)
+    }
 
 
 @pytest.fixture(scope="module")

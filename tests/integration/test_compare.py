@@ -5,9 +5,11 @@ import struct
 
 import pytest
 
+from common.versions import NEEDS_TP, older_than
 from tests.helpers import PARITY, env_for_tests, markdown_rows, read_metrics, run_command
 
-RUNS = ("ref", "ddp", "fsdp", "pippy", "tp")
+# run_all.sh leaves TP out where the installed torch is older than it needs (docs/versions.md)
+RUNS = ("ref", "ddp", "fsdp", "pippy", *(() if older_than(NEEDS_TP) else ("tp",)))
 STEPS = 12  # what the comparison needs; the parity itself is tested at length in the strategies' own files
 
 

@@ -42,7 +42,7 @@ def runs(pool):
     return pool / "observability"
 
 
-def test_traces_hold_the_named_spans_for_every_strategy(runs):
+def test_traces_hold_the_named_spans_for_every_strategy(runs, untrained):
     step_parts = {"step 2", "step 3", "data", "optimizer"}
     expected = {
         "ddp": step_parts | {"forward", "backward", "gloo:all_reduce"},
@@ -52,7 +52,7 @@ def test_traces_hold_the_named_spans_for_every_strategy(runs):
         "pp_1f1b": step_parts | {"forward stage 0 mb 0", "backward stage 0 mb 3", "gloo:send", "gloo:recv"},
         "pp_zbv": step_parts | {"forward stage 3 mb 0", "backward_input stage 0 mb 1", "backward_weight stage 0 mb 1"},
     }
-    for name, spans in expected.items():
+    for name, spans in ((n, s) for n, s in expected.items() if n not in untrained):
         per_rank = [trace_names(runs / name / "traces" / f"rank{rank}.json") for rank in (0, 1)]
         # each rank's stages' actions are in its own trace (zbv on 2 ranks: stages 0 and 3 on rank 0)
         assert spans <= per_rank[0] | per_rank[1], f"{name}: missing {sorted(spans - per_rank[0] - per_rank[1])}"
@@ -73,8 +73,8 @@ def test_comm_hidden_fraction_is_a_share(runs):
             assert 0.0 <= rank["hidden_s"] <= rank["comm_s"] + 1e-9
 
 
-def test_the_timeline_renders_for_every_schedule(runs, tmp_path):
-    for schedule in SCHEDULES:
+def test_the_timeline_renders_for_every_schedule(runs, tmp_path, untrained):
+    for schedule in (s for s in SCHEDULES if f"pp_{s}" not in untrained):
         run = runs / f"pp_{schedule}"
         timeline = json.loads((run / "timeline.json").read_text())
         assert timeline["schedule"] == schedule and timeline["step"] == STEPS

@@ -13,11 +13,14 @@ import pytest
 
 from common.cli import parse_config
 from common.config import Config
+from common.versions import NEEDS_PLANNER
 from planner.measure import RankMemory, plan_rank
 from planner.plan import VIT_VARIANTS, plan, ranks_to_measure, variant_config
 from planner.report import largest_batch
 from runner.memory import planned_peak_bytes
-from tests.helpers import SMALL, Run, read_run, run_command
+from tests.helpers import SMALL, Run, needs_torch, read_run, run_command
+
+pytestmark = needs_torch(NEEDS_PLANNER)  # every test here plans
 
 SIZES = ("baby", "small")
 # {name: (strategy, flags, process counts)}

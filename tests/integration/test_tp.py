@@ -6,6 +6,7 @@ test_essentials.py; at a larger size: test_scale.py; a resume at a chaotic learn
 import pytest
 
 from common.model import build_model
+from common.versions import NEEDS_TP
 from planner.predict import tp_state_bytes_theory
 from tests.helpers import (
     PP_PARITY,
@@ -15,12 +16,15 @@ from tests.helpers import (
     env_for_tests,
     losses,
     max_abs_diff,
+    needs_torch,
     observed,
     printed,
     read_metrics,
     read_run,
     run_command,
 )
+
+pytestmark = needs_torch(NEEDS_TP)  # every test here trains or checks TP
 
 # The 1-process reference "pipeline" (tests/integration/conftest.py) runs these flags, with a checkpoint after
 # step 12 for TP to resume; TP's own runs checkpoint there too.

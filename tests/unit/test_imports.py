@@ -15,6 +15,7 @@ NOT_WORKER = ("runner", "tools", "planner", "bench")
 # Lines of common/ behind train_ddp.py (nanoGPT's train.py needs ~380, the FSDP2 example ~370). 1,500 is the aim.
 # What a run needs only with a flag loads only then: fp16's loss scaling (common/fp16.py), resuming (common/resume.py),
 # the ViT and its sizes (common/vit.py, common/vit_sizes.py), the optional features' checks (optional_checks.py).
+# The installed torch's check (common/versions.py) loads inside Config.check: a copy drops those three lines, no loss.
 # What stays above the aim is what every run uses: the interruptions a user meets (preemption, write errors, timeouts,
 # out of memory, one line each), checkpoints and run.json, and every script's flags (the ViT's and the other
 # strategies' too, for --help and the checks); docs/copying.md says which lines of them a copier needs.

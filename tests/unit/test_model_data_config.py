@@ -12,6 +12,8 @@ from common.model import BabyCNN, build_model
 from common.model_sizes import MODEL_SIZES, blocks, max_stages, parameter_count, stage_starts, tp_layer_params, tp_pairs
 from common.model_sizes import layers as size_layers
 from common.pipeline import split_model
+from common.versions import NEEDS_TP
+from tests.helpers import needs_torch
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -187,10 +189,12 @@ def test_world_size_must_divide_the_global_batch():
         parse_config("ddp", ["--batch-size", "96", "--grad-accum-steps", "2"], world_size=5)
 
 
-def test_defaults_are_valid_for_every_strategy():
-    for strategy in STRATEGIES:
-        cfg = parse_config(strategy, [], world_size=4)
-        assert cfg.out == f"runs/{strategy}" and isinstance(cfg, Config)
+@pytest.mark.parametrize(
+    "strategy", [pytest.param(s, marks=() if s != "tp" else needs_torch(NEEDS_TP)) for s in STRATEGIES]
+)
+def test_defaults_are_valid_for_every_strategy(strategy):
+    cfg = parse_config(strategy, [], world_size=4)
+    assert cfg.out == f"runs/{strategy}" and isinstance(cfg, Config)
 
 
 @pytest.mark.parametrize("size", ["baby", "small", "medium"])
@@ -206,6 +210,7 @@ def test_the_model_says_how_it_is_split_as_the_sizes_table_does(size):
     assert [type(plan[row]).__name__ for _, row in tp_pairs(size)] == ["RowwiseParallel"] * len(tp_pairs(size))
 
 
+@needs_torch(NEEDS_TP)
 def test_tp_splits_the_classifier_in_pairs_and_refuses_a_width_it_cannot_split():
     from runner.layout import check_layout
 

@@ -7,11 +7,13 @@ from common.cli import parse_config
 from common.config import SCHEDULES
 from common.pipeline_actions import BALANCED_COST, simulate_bubble
 from common.pipeline_layout import PipelineLayout
+from common.versions import NEEDS_V
 from runner.layout import check_layout
-from tests.helpers import PP_PARITY
+from tests.helpers import PP_PARITY, needs_torch
 from tests.integration.test_pippy import DP2, MATRIX, PART1, STAGES_PER_RANK
 
 
+@needs_torch(NEEDS_V)  # they name the V schedules and --tp (2.12 both)
 def test_every_combination_the_tests_run_passes_the_checks():
     for flags in [*MATRIX.values(), *DP2.values(), PART1]:
         check_layout(parse_config("pippy", [*PP_PARITY, *flags], world_size=4), 4)
