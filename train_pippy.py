@@ -101,7 +101,9 @@ def apply_pipeline(
             return {}
         (inputs, outputs), empty = io_shapes[i], lambda shape: (torch.empty(shape, device=device),)
         grads = {"input_grads": empty(inputs)} if i > 0 else {}  # the images need no gradient
-        return {"input_args": empty(inputs), "output_args": empty(outputs), "output_grads": empty(outputs), **grads}
+        # the stage reads from its example whether a received input needs a gradient: all but the images do
+        received = (torch.empty(inputs, device=device, requires_grad=i > 0),)
+        return {"input_args": received, "output_args": empty(outputs), "output_grads": empty(outputs), **grads}
 
     return [PipelineStage(modules[i], i, n_stages, device, group=pp_group, **known(i)) for i in modules]  # [PP]
 

@@ -137,9 +137,16 @@ def bubble_summary(report: dict) -> str:
 
 def simulate_bubble(orders: Sequence[Sequence[Action]], cost: Callable[[int, str], float]) -> float:
     """Idle share of the pipeline when every rank runs its actions in `orders[rank]` (the order the
-    schedule really ran them) and an action takes `cost(stage, kind)`: it starts when its rank is free
-    and its input exists (the forward of the previous stage; the backward of the next stage and its own
-    forward). No communication time, no other load: what the schedule and the stage costs alone imply."""
+    schedule really ran them) and an action takes `cost(stage, kind)` (`simulate`). No communication time, no
+    other load: what the schedule and the stage costs alone imply."""
+    makespan, busy = simulate(orders, cost)
+    return 1 - sum(busy) / (len(orders) * makespan)
+
+
+def simulate(orders: Sequence[Sequence[Action]], cost: Callable[[int, str], float]) -> tuple[float, list[float]]:
+    """(the time the last rank finishes, each rank's busy time) when every rank runs its actions in
+    `orders[rank]` and an action takes `cost(stage, kind)`: it starts when its rank is free and its input exists
+    (the forward of the previous stage; the backward of the next stage and its own forward)."""
     n_stages = 1 + max(stage for order in orders for stage, _, _ in order)
     finished: dict[tuple, float] = {}
     position, free, busy = [0] * len(orders), [0.0] * len(orders), [0.0] * len(orders)
@@ -175,7 +182,7 @@ def simulate_bubble(orders: Sequence[Sequence[Action]], cost: Callable[[int, str
                 progressed = True
         if not progressed:
             raise RuntimeError("the recorded action orders depend on each other in a cycle")
-    return 1 - sum(busy) / (len(orders) * max(free))
+    return max(free), busy
 
 
 def bubble_report(

@@ -10,15 +10,20 @@ by `common.model.build_model` and wrapped by the scripts' own functions (`apply_
 peak_bytes with --measure-peak).
 
 DDP cannot be built on fake tensors as the script builds it (its constructor broadcasts the weights and reads
-data), so the planner passes init_sync=False and a do-nothing communication hook (DDP's own `noop_hook`), and
-plans a single step: at the second, DDP would re-lay its buckets from real data (docs/versions.md). Its buckets are
-counted from the moment it allocates them.
+data), so the planner passes init_sync=False and a communication hook that all-reduces each bucket on the fake
+group and hands it back as it is (DDP's own hook reads the fake group's empty result), and plans a single step: at
+the second, DDP would re-lay its buckets from real data (docs/versions.md). Its buckets are counted from the moment
+it allocates them.
+
+With count=True the measured step is also counted (planner/count.py): its operators' FLOPs and bytes, its
+collectives, and for a pipeline the order of its actions: what planner/timing.py turns into time.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -31,6 +36,7 @@ from common.model import build_model
 from common.model_sizes import input_shape
 from common.recorder import measure_memory
 from common.training import build_optimizer
+from planner.count import StepCount, StepCounter
 
 
 @dataclass
@@ -47,6 +53,7 @@ class RankMemory:
     # program has let go of it (gloo frees a sent tensor once its receiver took it). The peak of a real run lies
     # between peak_bytes and peak_bytes + in_flight_bytes, by the timing of the neighbours.
     in_flight_bytes: int = 0
+    count: StepCount | None = field(default=None, repr=False)  # the measured step, counted (count=True)
 
     @property
     def state_bytes(self) -> int:
@@ -87,16 +94,36 @@ def _model(cfg: Config):
     return build_model(**kwargs, in_channels=channels, image_size=side, num_classes=classes)
 
 
-def plan_rank(cfg: Config, world_size: int, rank: int) -> RankMemory:
-    """Rank `rank` of `world_size` training `cfg` (its strategy, size, batch, sharding or schedule)."""
+class _NotCounted:
+    """What a step runs in when it is not counted: nothing."""
+
+    count = None
+
+    def __enter__(self) -> _NotCounted:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+    def phase(self, name: str) -> ContextManager:
+        return nullcontext()
+
+    def action(self, name: str) -> ContextManager:
+        return nullcontext()
+
+
+def plan_rank(cfg: Config, world_size: int, rank: int, *, count: bool = False) -> RankMemory:
+    """Rank `rank` of `world_size` training `cfg` (its strategy, size, batch, sharding or schedule); with `count`,
+    its measured step counted too (RankMemory.count)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     _fake_world(world_size, rank)
     env = DistEnv(rank, 0, world_size, 1, torch.device("cpu"), "fake")
     cfg = replace(cfg, compile=False, grad_accum_steps=1)
     step = {"ddp": _ddp_step, "fsdp": _fsdp_step, "pippy": _pipeline_step, "tp": _tp_step}[cfg.strategy]
+    counter = (lambda model: StepCounter(model)) if count else (lambda model: _NotCounted())
     try:
-        return step(cfg, env, FakeTensorMode)
+        return step(cfg, env, FakeTensorMode, counter)
     finally:
         dist.destroy_process_group()
         # DTensor caches each operator's output layout, mesh included: the next world's equal mesh would find this
@@ -104,29 +131,36 @@ def plan_rank(cfg: Config, world_size: int, rank: int) -> RankMemory:
         torch._C._clear_DTensor_sharding_propagator_cache()
 
 
-def _ddp_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
-    from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+def _all_reduce_on_fake_group(state, bucket):  # type: ignore[no-untyped-def]  (DDP reads annotations as objects)
+    """DDP's all-reduce of a bucket, on the fake group: nothing moves, the counter sees it."""
+    dist.all_reduce(bucket.buffer())
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
 
+
+def _ddp_step(cfg: Config, env: DistEnv, fake_mode: Any, counter: Any) -> RankMemory:
     from train_ddp import apply_ddp
 
     with fake_mode():
-        model = _model(cfg)
+        model = plain = _model(cfg)
         tracker = PeakBytes(model.parameters())
         with tracker:  # DDP allocates its gradient buckets as it wraps: they count from there
-            model = apply_ddp(model, comm_hook=noop_hook, init_sync=False)
+            model = apply_ddp(model, comm_hook=_all_reduce_on_fake_group, init_sync=False)
             optimizer = build_optimizer(model.parameters(), cfg)
             _warm(list(model.parameters()), optimizer)
         buckets = tracker.live
-        with tracker:
+        with tracker, counter(plain) as counted:
             images, labels = _batch(cfg, cfg.chunk_size(env.world_size))
             F.cross_entropy(model(images), labels).backward()
-            optimizer.step()
+            with counted.phase("optimizer"):
+                optimizer.step()
         memory = measure_memory(model.parameters(), optimizer, env.device)
         buckets -= memory["param_bytes"] + memory["optim_bytes"]
-    return _result(env.rank, memory, tracker, {"DDP's gradient buckets": buckets})
+    return _result(env.rank, memory, tracker, {"DDP's gradient buckets": buckets}, count=counted.count)
 
 
-def _fsdp_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
+def _fsdp_step(cfg: Config, env: DistEnv, fake_mode: Any, counter: Any) -> RankMemory:
     from common.training import low_precision
     from train_fsdp import apply_fsdp, fsdp_mesh
 
@@ -146,13 +180,14 @@ def _fsdp_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
         optimizer = build_optimizer(model.parameters(), cfg)
         _warm(list(model.parameters()), optimizer)
         tracker = PeakBytes(state_tensors(model.parameters(), optimizer))
-        with tracker:
+        with tracker, counter(model) as counted:
             optimizer.zero_grad(set_to_none=True)
             images, labels = _batch(cfg, cfg.chunk_size(env.world_size))
             F.cross_entropy(model(images), labels).backward()
-            optimizer.step()
+            with counted.phase("optimizer"):
+                optimizer.step()
         memory = measure_memory(model.parameters(), optimizer, env.device)
-    return _result(env.rank, memory, tracker, {})
+    return _result(env.rank, memory, tracker, {}, count=counted.count)
 
 
 def _mesh_bookkeeping_for_real() -> Any:
@@ -172,7 +207,7 @@ def _mesh_bookkeeping_for_real() -> Any:
     return mock.patch.object(DeviceMesh, "_concatenate", staticmethod(concatenate_for_real))
 
 
-def _tp_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
+def _tp_step(cfg: Config, env: DistEnv, fake_mode: Any, counter: Any) -> RankMemory:
     from torch.distributed.device_mesh import init_device_mesh
 
     from train_tp import apply_tp
@@ -187,23 +222,43 @@ def _tp_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
         )
         optimizer = build_optimizer(model.parameters(), cfg)
 
-        def step() -> None:
+        def step(counted: Any) -> None:
             optimizer.zero_grad(set_to_none=True)
             images, labels = _batch(cfg, cfg.chunk_size(env.world_size))  # the replica's batch, on each TP rank
             F.cross_entropy(model(images), labels).backward()
-            optimizer.step()
+            with counted.phase("optimizer"):
+                optimizer.step()
 
         # The first step, as in a run, is not the one measured: DTensor works out the layout of each operator's
         # output on its first call by running it on fake tensors of its own, which a real step 2 no longer does
-        step()
+        step(_NotCounted())
         tracker = PeakBytes(state_tensors(model.parameters(), optimizer))
-        with tracker:
-            step()
+        with tracker, counter(model) as counted:
+            step(counted)
         memory = measure_memory(model.parameters(), optimizer, env.device)
-    return _result(env.rank, memory, tracker, {})
+    return _result(env.rank, memory, tracker, {}, count=counted.count)
 
 
-def _pipeline_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
+def _label_actions(stages: list[Any], counted: Any) -> None:
+    """Name each stage action's operators after it ("1F": stage 1's forward; B, I, W as common/pipeline_actions.py)
+    and record the order the schedule runs them in, while the step is counted."""
+
+    def labelled(stage: Any, run: Any, fixed: str) -> Any:
+        def action(chunk: int, *args: Any, **kw: Any) -> Any:
+            kind = fixed or ("B" if kw.get("full_backward", True) else "I")
+            if counted.count is not None:
+                counted.count.actions.append((stage.stage_index, kind, chunk))
+            with counted.action(f"{stage.stage_index}{kind}"):
+                return run(chunk, *args, **kw)
+
+        return action
+
+    for stage in stages:
+        for attr, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", ""), ("backward_weight_one_chunk", "W")):
+            setattr(stage, attr, labelled(stage, getattr(stage, attr), kind))
+
+
+def _pipeline_step(cfg: Config, env: DistEnv, fake_mode: Any, counter: Any) -> RankMemory:
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -240,27 +295,36 @@ def _pipeline_step(cfg: Config, env: DistEnv, fake_mode: Any) -> RankMemory:
         params = list(local.parameters())
         optimizer = build_optimizer(params, cfg) if params else None
         _warm(params, optimizer)
+        counted = counter(model)  # (its operators named by the whole model's modules)
         del model, pieces  # the other ranks' stages: this rank does not hold them
         first, last = 0 in mine, layout.n_stages - 1 in mine
 
-        def step() -> None:
+        def step(counted: Any) -> None:
             if optimizer:
                 optimizer.zero_grad(set_to_none=True)
             images, labels = _batch(cfg, cfg.chunk_size(env.world_size))  # every rank loads it, as in the script
             schedule.step(*([images] if first else []), target=labels if last else None, losses=[] if last else None)
             if optimizer:
-                optimizer.step()
+                with counted.phase("optimizer"):
+                    optimizer.step()
 
-        step()  # the first step also sets the stages up, as in a run: the one after it is measured
+        step(_NotCounted())  # the first step also sets the stages up, as in a run: the one after it is measured
         tracker = PeakBytes(state_tensors(params, optimizer))
-        with tracker:
-            step()
+        with tracker, counted:
+            _label_actions(stages, counted)
+            step(counted)
         memory = measure_memory(params, optimizer, env.device)
-    return _result(env.rank, memory, tracker, {}, in_flight=in_flight)
+    return _result(env.rank, memory, tracker, {}, in_flight=in_flight, count=counted.count)
 
 
 def _result(
-    rank: int, memory: dict[str, Any], tracker: PeakBytes, parts: dict[str, int], *, in_flight: int = 0
+    rank: int,
+    memory: dict[str, Any],
+    tracker: PeakBytes,
+    parts: dict[str, int],
+    *,
+    in_flight: int = 0,
+    count: StepCount | None = None,
 ) -> RankMemory:
     return RankMemory(
         rank=rank,
@@ -270,4 +334,5 @@ def _result(
         peak_bytes=tracker.peak,
         parts=parts,
         in_flight_bytes=in_flight,
+        count=count,
     )

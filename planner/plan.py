@@ -3,7 +3,7 @@ the ranks worth measuring, and the textbook's bytes per rank with what the measu
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from common.config import Config
@@ -47,7 +47,10 @@ class Plan:
         return max(self.ranks, key=lambda r: r.peak_bytes + r.in_flight_bytes)
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "ranks": [asdict(r) for r in self.ranks]}
+        ranks = [{f.name: getattr(r, f.name) for f in fields(r) if f.name != "count"} for r in self.ranks]
+        for rank, r in zip(ranks, self.ranks):
+            rank["count"] = r.count.to_json() if r.count else None
+        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "ranks"}, "ranks": ranks}
 
 
 def variant_config(variant: str, base: Config, world_size: int) -> Config | None:

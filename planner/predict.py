@@ -18,9 +18,18 @@ from torch import nn
 
 from common.config import Config
 from common.model import build_model
-from common.model_sizes import input_shape, parameter_count, tp_layer_params, tp_split_params
+from common.model_sizes import (
+    input_shape,
+    layers,
+    parameter_count,
+    tp_degree,
+    tp_layer_params,
+    tp_pairs,
+    tp_split_params,
+)
 from common.pipeline import split_model
 from common.pipeline_layout import PipelineLayout
+from common.vit_sizes import VIT_SIZES
 
 Traffic = dict[str, dict[str, float]]  # collective -> {"elements", "bytes", "bytes_sent", "bytes_received"}
 
@@ -35,6 +44,8 @@ def add(traffic: Traffic, kind: str, *, elements: int, itemsize: int, ranks: int
     """Count `times` collectives of `kind` (all_reduce, all_gather, reduce_scatter over `ranks`; send; recv) on
     tensors of `elements` elements of `itemsize` bytes into `traffic`; returns it. "bytes" is their size as
     nccl-tests counts it, "bytes_sent" and "bytes_received" what this rank moves."""
+    if kind in RING_SHARE and ranks == 1:
+        return traffic  # a collective over one rank: nothing runs (FSDP and DTensor skip it)
     entry = traffic.setdefault(kind, {"elements": 0, "bytes": 0, "bytes_sent": 0, "bytes_received": 0})
     size = elements * itemsize * times
     entry["elements"] += elements * times
@@ -128,13 +139,40 @@ def _tp_traffic(model: nn.Module, cfg: Config, world_size: int) -> Traffic:
     With --dp, FSDP over "dp" of what TP leaves each rank, a unit per block of the model: each gathered before its
     forward and again before its backward, its gradients reduce-scattered once; the root's (what no block holds)
     gathered once."""
-    tp, chunk, steps, item = world_size // cfg.dp, cfg.chunk_size(world_size), cfg.grad_accum_steps, _itemsize(cfg)
+    tp, chunk, steps = world_size // cfg.dp, cfg.chunk_size(world_size), cfg.grad_accum_steps
     found: Traffic = {}
     plan = model.tp_plan(cfg.sequence_parallel)
+    split_dim = _tp_plan_traffic(found, model, cfg, plan, tp=tp, samples=chunk, times=steps)
+    if cfg.dp > 1:
+        shard = lambda p: _tp_shard(p, split_dim, tp, cfg.dp)  # noqa: E731
+
+        in_blocks = {id(p) for unit in model.blocks() for p in _params(unit)}
+        root = [p for p in model.parameters() if id(p) not in in_blocks]  # (the ViT's embedding and head)
+        for params, gathers in [*((_params(unit), 2) for unit in model.blocks()), (root, 1)]:
+            if elements := cfg.dp * sum(shard(p) for p in params):
+                add(found, "all_gather", elements=elements, itemsize=4, ranks=cfg.dp, times=gathers * steps)
+                add(found, "reduce_scatter", elements=elements, itemsize=4, ranks=cfg.dp)
+    return found
+
+
+def _tp_shard(p: nn.Parameter, split_dim: dict[int, int], tp: int, dp: int) -> int:
+    """Elements of this rank's TP part of `p` (its `split_dim` cut in `tp`), sharded again over `dp` replicas."""
+    shape = list(p.shape)
+    if id(p) in split_dim:
+        shape[split_dim[id(p)]] //= tp
+    return padded_shard(tuple(shape), dp)
+
+
+def _tp_plan_traffic(
+    found: Traffic, model: nn.Module, cfg: Config, plan: dict[str, Any], *, tp: int, samples: int, times: int
+) -> dict[int, int]:
+    """Count into `found` what `plan`'s layers move over "tp" (`_tp_traffic` says what) for `times` passes of
+    `samples` samples; returns {id(parameter): the dim TP splits}."""
+    item = _itemsize(cfg)
     sizes = _per_sample(model, cfg, plan)
 
-    def move(kind: str, name: str, which: int) -> None:  # the input (0) or output (1) of `name`, per chunk
-        add(found, kind, elements=chunk * sizes[name][which], itemsize=item, ranks=tp, times=steps)
+    def move(kind: str, name: str, which: int) -> None:  # the input (0) or output (1) of `name`, per pass
+        add(found, kind, elements=samples * sizes[name][which], itemsize=item, ranks=tp, times=times)
 
     split_dim = {}  # parameter -> the dim TP splits: a column-wise layer's rows (and bias), a row-wise one's columns
     for name, style in plan.items():
@@ -157,21 +195,7 @@ def _tp_traffic(model: nn.Module, cfg: Config, world_size: int) -> Traffic:
         elif kind == "SequenceParallel":
             for p in module.parameters():
                 add(found, "all_reduce", elements=p.numel(), itemsize=4, ranks=tp)
-    if cfg.dp > 1:
-
-        def shard(p: nn.Parameter) -> int:  # this rank's TP part of p, sharded again over "dp"
-            shape = list(p.shape)
-            if id(p) in split_dim:
-                shape[split_dim[id(p)]] //= tp
-            return padded_shard(tuple(shape), cfg.dp)
-
-        in_blocks = {id(p) for unit in model.blocks() for p in _params(unit)}
-        root = [p for p in model.parameters() if id(p) not in in_blocks]  # (the ViT's embedding and head)
-        for params, gathers in [*((_params(unit), 2) for unit in model.blocks()), (root, 1)]:
-            if elements := cfg.dp * sum(shard(p) for p in params):
-                add(found, "all_gather", elements=elements, itemsize=4, ranks=cfg.dp, times=gathers * steps)
-                add(found, "reduce_scatter", elements=elements, itemsize=4, ranks=cfg.dp)
-    return found
+    return split_dim
 
 
 def _per_sample(model: nn.Module, cfg: Config, names: dict[str, Any]) -> dict[str, tuple[int, int]]:
@@ -193,10 +217,11 @@ def _per_sample(model: nn.Module, cfg: Config, names: dict[str, Any]) -> dict[st
 
 def _pipeline_traffic(model: nn.Module, cfg: Config, world_size: int, rank: int) -> Traffic:
     """For every micro-batch, each activation that crosses to a stage on another rank and, in backward, its
-    gradient coming back; with --dp, each stage's FSDP2 all-gather and reduce-scatter over the replicas (once per
-    schedule step)."""
+    gradient coming back; with --tp, what the stage's part of the model's TP plan moves over "tp" per micro-batch;
+    with --dp, each stage's FSDP2 all-gather and reduce-scatter over the replicas (once per schedule step). The mesh
+    is (dp, pp, tp), TP innermost."""
     layout = PipelineLayout.of(cfg, world_size)
-    pp_rank = rank % layout.pp_size
+    pp_rank = rank // cfg.tp % layout.pp_size
     pieces = split_model(model, layout.stage_starts)
     micro_batch = cfg.chunk_size(world_size) // cfg.n_microbatches
     times = cfg.n_microbatches * cfg.grad_accum_steps
@@ -207,6 +232,7 @@ def _pipeline_traffic(model: nn.Module, cfg: Config, world_size: int, rank: int)
         outputs.append(micro_batch * x[0].numel())
     found: Traffic = {}
     item = _itemsize(cfg)
+    plan = model.tp_plan() if cfg.tp > 1 else {}
     for s in layout.stages_of(pp_rank):
         if s + 1 < layout.n_stages and layout.owner(s + 1) != pp_rank:  # forward out, its gradient back in
             add(found, "send", elements=outputs[s], itemsize=item, times=times)
@@ -214,7 +240,12 @@ def _pipeline_traffic(model: nn.Module, cfg: Config, world_size: int, rank: int)
         if s > 0 and layout.owner(s - 1) != pp_rank:  # forward in, its gradient back out
             add(found, "recv", elements=outputs[s - 1], itemsize=item, times=times)
             add(found, "send", elements=outputs[s - 1], itemsize=item, times=times)
-        elements = layout.dp * sum(padded_shard(tuple(p.shape), layout.dp) for p in pieces[s].parameters())
+        split_dim: dict[int, int] = {}
+        if plan:  # as apply_pipeline: the entries of the layers this stage holds
+            mine = {name: style for name, style in plan.items() if name.split(".")[0] in pieces[s]._modules}
+            split_dim = _tp_plan_traffic(found, model, cfg, mine, tp=cfg.tp, samples=micro_batch, times=times)
+
+        elements = layout.dp * sum(_tp_shard(p, split_dim, cfg.tp, layout.dp) for p in pieces[s].parameters())
         if layout.dp > 1 and elements:
             add(found, "all_gather", elements=elements, itemsize=4, ranks=layout.dp, times=cfg.grad_accum_steps)
             add(found, "reduce_scatter", elements=elements, itemsize=4, ranks=layout.dp, times=cfg.grad_accum_steps)
@@ -244,3 +275,67 @@ def tp_state_bytes_theory(
         **{k: per_param[k] * sum(held.values()) / dp for k in ("param_bytes", "grad_bytes", "optim_bytes")},
         "split_param_bytes": 4 * split / tp / dp,  # of param_bytes: the split parameters' (DDP's: 4 * split)
     }
+
+
+def layer_flops(cfg: Config, *, kernels: bool = True) -> dict[str, tuple[int, int]]:
+    """{layer: (forward, backward) FLOPs per sample} of the model, from its sizes (common/model_sizes.py): backward
+    twice forward (the gradients of the input and of the weights) but for the first layer with FLOPs, whose input,
+    the images, needs no gradient; and, as the `kernels` run it, for attention, whose kernels recompute the scores
+    in backward (five matmuls of the tokens by the tokens to forward's two: torch.utils.flop_counter's count)."""
+    attention = 0
+    if cfg.model == "vit" and kernels:
+        patch, width, *_ = VIT_SIZES[cfg.model_size]
+        tokens = (input_shape("vit", cfg.model_size, cfg.dataset)[1] // patch) ** 2
+        attention = 4 * tokens * tokens * width  # forward: q k^T and (softmax) v, 2 FLOPs a multiply-add
+    found, first = {}, True
+    for layer in layers(cfg.model_size, cfg.dataset, cfg.model):
+        extra = attention // 2 if layer.name.startswith("block") else 0
+        found[layer.name] = (layer.flops, layer.flops * (1 if first else 2) + extra)
+        first = first and not layer.flops
+    return found
+
+
+def analytic_flops(cfg: Config, world_size: int, rank: int) -> dict[str, float]:
+    """{"forward", "backward"}: the FLOPs rank `rank` of `world_size` does per optimizer step by the model's sizes:
+    its samples through the layers it holds (a pipeline rank its stages', a TP rank 1/tp of each layer TP splits);
+    "recomputed": the forwards activation checkpointing runs again in backward (the step's FLOPs, not the
+    model's: backward's are backward + recomputed)."""
+    per_layer = layer_flops(cfg)
+    samples = cfg.chunk_size(world_size) * cfg.grad_accum_steps
+    share = {name: 1.0 for name in per_layer}
+    tp = tp_degree(cfg, world_size)
+    if tp > 1:  # the layers TP splits: the ViT's blocks (heads, MLP columns), BabyCNN's classifier pairs
+        split = [name for name in per_layer if name.startswith("block")] if cfg.model == "vit" else []
+        split += [name for pair in (tp_pairs(cfg.model_size) if cfg.model == "cnn" else []) for name in pair]
+        share |= {name: 1 / tp for name in split}
+    if cfg.strategy == "pippy":
+        layout = PipelineLayout.of(cfg, world_size)
+        names = list(per_layer)
+        bounds = [names.index(s) for s in layout.stage_starts] + [len(names)]
+        mine = {n for s in layout.stages_of(rank // cfg.tp % layout.pp_size) for n in names[bounds[s] : bounds[s + 1]]}
+        share = {name: value if name in mine else 0.0 for name, value in share.items()}
+    found = {
+        phase: samples * sum(share[name] * flops[i] for name, flops in per_layer.items())
+        for i, phase in enumerate(("forward", "backward"))
+    }
+    found["recomputed"] = samples * _recomputed(cfg) if cfg.strategy == "fsdp" and cfg.activation_checkpointing else 0
+    return found
+
+
+def _recomputed(cfg: Config) -> int:
+    """The forward FLOPs per sample activation checkpointing runs again in backward, as train_fsdp.py checkpoints:
+    each of the ViT's blocks, BabyCNN (whose blocks are lists of layers) whole. Recomputation stops once backward
+    has what it needs: the last matmul of each checkpointed span (the ViT's fc2, BabyCNN's fc2) needs only its
+    input, so it is not run again."""
+    per_layer = layer_flops(cfg)
+    if cfg.model == "cnn":
+        return sum(f for name, (f, _) in per_layer.items() if name != "fc2")
+    patch, width, _, _, mlp = VIT_SIZES[cfg.model_size]
+    tokens = (input_shape("vit", cfg.model_size, cfg.dataset)[1] // patch) ** 2
+    return sum(f - 2 * tokens * mlp * width for name, (f, _) in per_layer.items() if name.startswith("block"))
+
+
+def model_flops_per_step(cfg: Config) -> float:
+    """The model's training FLOPs of one optimizer step over the global batch (MFU's numerator): every layer's
+    forward and backward (twice forward; attention's scores not recomputed), whatever the strategy."""
+    return cfg.batch_size * sum(f + b for f, b in layer_flops(cfg, kernels=False).values())

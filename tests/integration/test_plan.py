@@ -3,7 +3,8 @@
 run holds exactly the state bytes the planner says (run.json's param, grad and optimizer bytes), and its measured
 peak (--measure-peak, the launch's second step) is within 15 % of the planned one (a pipeline rank's, of the planned
 range: gloo may still hold the activation it sent), counted from its tensors, and within 20 % as the C allocator
-itself saw it."""
+itself saw it. The same planned steps, counted (planner/count.py), do the model's FLOPs by its sizes and move the
+bytes planner/predict.py predicts, per rank and kind of collective, for every strategy and mode."""
 
 import json
 import sys
@@ -16,6 +17,7 @@ from common.config import Config
 from common.versions import NEEDS_PLANNER
 from planner.measure import RankMemory, plan_rank
 from planner.plan import VIT_VARIANTS, plan, ranks_to_measure, variant_config
+from planner.predict import analytic_flops, traffic
 from planner.report import largest_batch
 from runner.memory import planned_peak_bytes
 from tests.helpers import SMALL, Run, needs_torch, read_run, run_command
@@ -64,7 +66,7 @@ def plan_of(cfg: Config, world_size: int, rank: int) -> RankMemory:
     cfg = replace(cfg, **DEFAULTS)
     key = repr((cfg, world_size, rank))
     if key not in PLANNED_RANKS:
-        PLANNED_RANKS[key] = plan_rank(cfg, world_size, rank)
+        PLANNED_RANKS[key] = plan_rank(cfg, world_size, rank, count=True)
     return PLANNED_RANKS[key]
 
 
@@ -113,6 +115,40 @@ def test_the_plan_is_what_each_rank_of_a_real_run_holds(pool, size, variant):
             # and the memory the process really used: the peak as the C allocator saw it, not counted from tensors
             used = measured["allocator_peak_bytes"]
             assert (1 - ALLOCATOR_TOLERANCE) * low <= used <= (1 + ALLOCATOR_TOLERANCE) * high, (where, low, high, used)
+
+
+# Beyond the real runs' configurations, every other mode whose collectives differ: {name: (strategy, flags, ranks)}
+COUNTED = {
+    "fsdp-grad-op": ("fsdp", ["--sharding", "grad-op"], 2),
+    "fsdp-ac": ("fsdp", ["--activation-checkpointing"], 2),  # BabyCNN checkpointed whole
+    "fsdp-hybrid": ("fsdp", ["--sharding", "hybrid", "--shard-units", "blocks", "--model-size", "small"], 4),
+    "pippy-zbv": ("pippy", ["--schedule", "zbv", "--stages-per-rank", "2"], 2),
+    "pippy-dp": ("pippy", ["--dp", "2", "--n-microbatches", "2"], 4),
+    "vit-tp-sp": ("tp", ["--model", "vit", "--sequence-parallel"], 2),
+    "vit-pp-x-tp": ("pippy", ["--model", "vit", "--tp", "2"], 4),  # the 3-D mesh at dp 1
+}
+COUNTED |= {f"{s}-{v}-{n}": (VARIANTS[v][0], flags(s, v, n), n) for (s, v), ns in PLANNED.items() for n in ns}
+
+
+@pytest.mark.parametrize("name", COUNTED)
+def test_the_planned_step_does_the_models_flops_and_moves_the_predicted_bytes(name):
+    strategy, given, n = COUNTED[name]
+    cfg = parse_config(strategy, given, world_size=n)
+    for rank in ranks_to_measure(cfg, n):
+        count, where = plan_of(cfg, n, rank).count, f"{name}, rank {rank}"
+        # per kind of collective, the bytes of the step the fake group saw are those the model and mesh predict
+        assert count.collective_bytes() == {k: v["bytes"] for k, v in traffic(cfg, n, rank).items()}, where
+        # the FLOPs of its operators, as torch's formulas count them, are the model's by its sizes; a checkpointed
+        # block's forward runs again in backward
+        model = analytic_flops(cfg, n, rank)
+        assert count.flops("forward") == model["forward"], where
+        assert count.flops("backward") == model["backward"] + model["recomputed"], where
+        # where they ran: DDP's all-reduces and FSDP's reduce-scatters in backward, FSDP's gathers before each
+        # unit's forward (and again before its backward)
+        phases = {(c.kind, c.phase) for c in count.collectives}
+        if strategy in ("ddp", "fsdp"):
+            assert {p for k, p in phases if k in ("all_reduce", "reduce_scatter")} <= {"backward"}, where
+            assert {p for k, p in phases if k == "all_gather"} <= {"forward", "backward"}, where
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,274 @@
+"""What one rank's training step does, counted on the fake tensors the planner runs it on (planner/measure.py):
+every operator with its FLOPs (torch.utils.flop_counter's formulas) and the bytes it reads and writes, by module
+and phase (forward, backward, optimizer), and every collective as the fake process group sees it: its kind, the
+ranks of its group and its size in nccl-tests' terms (an all-gather's output, a reduce-scatter's input).
+
+An operator belongs to the innermost module whose forward runs it; in backward, to the module whose forward made
+the autograd node that runs it (each module tags its nodes as its forward returns; torch's ModuleTracker loses
+track of a module whose output needs no node of its own, such as dropout at p = 0).
+
+A DTensor's operator is counted as the operator its local shards run (the mode declines the DTensor and sees what
+DTensor dispatches), so a TP rank's FLOPs are its share and its collectives those DTensor issues; what DTensor runs
+on fake tensors of its own to learn an output's shape (a convolution's, at every call) is not counted. The phase is
+backward while autograd runs (hooks included: DDP's buckets, FSDP's reduce-scatters), optimizer where the step says
+so, else forward. planner/timing.py turns a count into time; docs/scale.md, "Time", says how.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+PHASES = ("forward", "backward", "optimizer")
+DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+aten = torch.ops.aten
+
+
+def _cpu_sdpa(query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _cpu_sdpa_backward(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+# The CPU's attention kernels, which flop_counter's registry (CUDA's kernels) does not name
+FLOPS = {
+    **flop_registry,
+    aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward,
+}
+
+# dispatcher op -> (collective, the argument whose bytes are its size in nccl-tests' terms, whether times the
+# group): the c10d ops (FSDP, DDP, the pipeline's P2P) write into their first argument, reduce from their second;
+# the functional ones (DTensor) take their input first, an all-gather's output being the group times it
+COLLECTIVES = {
+    "c10d.allreduce_": ("all_reduce", 0, False),
+    "c10d.allreduce_coalesced_": ("all_reduce", 0, False),
+    "c10d._allgather_base_": ("all_gather", 0, False),
+    "c10d.allgather_": ("all_gather", 0, False),
+    "c10d.allgather_into_tensor_coalesced_": ("all_gather", 0, False),
+    "c10d._reduce_scatter_base_": ("reduce_scatter", 1, False),
+    "c10d.reduce_scatter_": ("reduce_scatter", 1, False),
+    "c10d.reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, False),
+    "c10d.broadcast_": ("broadcast", 0, False),
+    "c10d.send": ("send", 0, False),
+    "c10d.recv_": ("recv", 0, False),
+    "_c10d_functional.all_reduce": ("all_reduce", 0, False),
+    "_c10d_functional.all_reduce_": ("all_reduce", 0, False),
+    "_c10d_functional.all_reduce_coalesced": ("all_reduce", 0, False),
+    "_c10d_functional.all_gather_into_tensor": ("all_gather", 0, True),
+    "_c10d_functional.all_gather_into_tensor_coalesced": ("all_gather", 0, True),
+    "_c10d_functional.reduce_scatter_tensor": ("reduce_scatter", 0, False),
+    "_c10d_functional.reduce_scatter_tensor_coalesced": ("reduce_scatter", 0, False),
+}
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str  # all_reduce, all_gather, reduce_scatter, broadcast, send, recv
+    ranks: int  # the group's size (2 for a point-to-point op)
+    bytes: int  # nccl-tests' size of the collective
+    phase: str
+    action: str = ""  # the pipeline action it belongs to, e.g. "1F" (stage 1 forward); "" outside one
+    group: tuple[int, int] = (0, 1)  # its group's first global rank and the stride between them (which nodes)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor's shape, strides and dtype: what replaying an operator on real tensors needs (bench/machine.py)."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class Op:
+    """One kind of operator call: `calls` calls of `name` on the same shapes, each `flops` and `bytes` (read and
+    written); `call`: the operator and its arguments, tensors as TensorSpecs, to replay it."""
+
+    name: str
+    phase: str
+    flops: int
+    bytes: int
+    calls: int = 0
+    action: str = ""
+    call: tuple[Any, tuple, dict] | None = field(default=None, repr=False)
+    dtype: str = "fp32"  # of its first floating-point input: what a GPU's tensor cores run it in
+
+
+@dataclass
+class StepCount:
+    ops: dict[tuple, Op] = field(default_factory=dict)  # (name, shapes, phase, action) -> Op
+    collectives: list[Collective] = field(default_factory=list)
+    module_flops: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # by the innermost module
+    actions: list[tuple[int, str, int]] = field(default_factory=list)  # a pipeline's (stage, kind, micro-batch)
+
+    def flops(self, phase: str | None = None) -> int:
+        return sum(op.flops * op.calls for op in self.ops.values() if phase in (None, op.phase))
+
+    def collective_bytes(self) -> dict[str, int]:
+        """{kind: bytes} over the step: what planner/predict.traffic predicts as each kind's "bytes"."""
+        found: dict[str, int] = defaultdict(int)
+        for c in self.collectives:
+            found[c.kind] += c.bytes
+        return dict(found)
+
+    def to_json(self) -> dict[str, Any]:
+        by_phase = {phase: self.flops(phase) for phase in PHASES}
+        calls = {phase: sum(op.calls for op in self.ops.values() if op.phase == phase) for phase in PHASES}
+        return {
+            "flops": by_phase,
+            "operator_calls": calls,
+            "collectives": [c.__dict__ for c in self.collectives],
+            "module_flops": dict(self.module_flops),
+            "actions": self.actions,
+        }
+
+
+def _group(func_name: str, args: tuple, kwargs: dict) -> tuple[int, int, int]:
+    """(size, first global rank, stride between global ranks) of the group a collective runs over; for a send or a
+    receive, the pair of this rank and its peer."""
+    import torch.distributed as dist
+
+    if func_name.startswith("_c10d_functional"):
+        name = next(a for a in (*args, *kwargs.values()) if isinstance(a, str) and a not in ("sum", "avg"))
+        group = dist.distributed_c10d._resolve_process_group(name)
+    else:
+        found = next(a for a in args if isinstance(a, (dist.ProcessGroup, torch.ScriptObject)))
+        group = dist.ProcessGroup.unbox(found) if isinstance(found, torch.ScriptObject) else found
+    ranks = dist.get_process_group_ranks(group)
+    if func_name in ("c10d.send", "c10d.recv_"):  # (tensors, group, peer's rank in the group, tag)
+        me, peer = dist.get_rank(), ranks[args[2]]
+        return 2, min(me, peer), abs(peer - me)
+    return len(ranks), ranks[0], ranks[1] - ranks[0] if len(ranks) > 1 else 1
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+class StepCounter(TorchDispatchMode):
+    """`with StepCounter(model) as counter:` counts every operator and collective into `counter.count`, the
+    operators by `model`'s module names; `phase("...")` and `action("...")` name what runs inside them."""
+
+    def __init__(self, model: torch.nn.Module | None = None) -> None:
+        super().__init__()
+        self.count = StepCount()
+        self._phase: str | None = None
+        self._action = ""
+        self._names = {id(m): name or "model" for name, m in model.named_modules()} if model is not None else {}
+        self._stack: list[str] = []
+        self._hooks: list[Any] = []
+        self._paused = False
+
+    def __enter__(self) -> StepCounter:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        def enter(module: torch.nn.Module, _inputs: Any) -> None:
+            self._stack.append(self._names.get(id(module), ""))
+
+        def leave(module: torch.nn.Module, _inputs: Any, output: Any) -> None:
+            name = self._stack.pop()
+            nodes = [t.grad_fn for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn]
+            while nodes:  # tag the autograd nodes this module's forward made (inner modules tagged theirs first)
+                node = nodes.pop()
+                if node is None or "module" in node.metadata or "AccumulateGrad" in node.name():
+                    continue
+                node.metadata["module"] = name
+                nodes += [n for n, _ in node.next_functions]
+
+        self._hooks = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+        self._unpatch = self._not_counting_dtensor_shape_runs()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        for hook in self._hooks:
+            hook.remove()
+        self._unpatch()
+
+    def _not_counting_dtensor_shape_runs(self) -> Any:
+        """Pause the count while DTensor runs an operator on fake tensors to learn its output's shape; returns the
+        function that undoes it."""
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+        def uncounted(propagator: Any, *args: Any, **kwargs: Any) -> Any:
+            self._paused, before = True, self._paused
+            try:
+                return original(propagator, *args, **kwargs)
+            finally:
+                self._paused = before
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = uncounted  # type: ignore[method-assign]
+        return lambda: setattr(ShardingPropagator, "_propagate_tensor_meta_non_cached", original)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self._phase, before = name, self._phase
+        try:
+            yield
+        finally:
+            self._phase = before
+
+    @contextmanager
+    def action(self, name: str) -> Iterator[None]:
+        self._action, before = name, self._action
+        try:
+            yield
+        finally:
+            self._action = before
+
+    def _module(self, phase: str) -> str:
+        if phase == "optimizer":
+            return "optimizer"
+        if self._stack and self._stack[-1]:  # a forward, also one recomputed in backward
+            return self._stack[-1]
+        node = torch._C._current_autograd_node() if phase == "backward" else None
+        return node.metadata.get("module", "") if node is not None else ""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor runs it on its local shards, which come back through here
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._paused:
+            return out
+        name = f"{func.namespace}.{func._opname}"
+        phase = self._phase or ("backward" if torch._C._current_graph_task_id() != -1 else "forward")
+        if name in COLLECTIVES:
+            kind, arg, gathered = COLLECTIVES[name]
+            ranks, first, stride = _group(name, args, kwargs)
+            size = _nbytes(args[arg]) * (ranks if gathered else 1)
+            if ranks > 1:  # (DDP all-reduces over a world of one: nothing moves)
+                self.count.collectives.append(Collective(kind, ranks, size, phase, self._action, (first, stride)))
+            return out
+        if name.startswith(("_c10d_functional", "c10d")):
+            return out  # waits, barriers: no work of their own
+        formula = FLOPS.get(func._overloadpacket)
+        flops = int(formula(*args, **kwargs, out_val=out)) if formula else 0
+        shapes = tuple(tuple(t.shape) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        key = (name, shapes, phase, self._action)
+        if key not in self.count.ops:
+            spec = lambda t: TensorSpec(tuple(t.shape), tuple(t.stride()), t.dtype)  # noqa: E731
+            call = (func, *tree_map_only(torch.Tensor, spec, (args, kwargs)))
+            nbytes = _nbytes((args, kwargs)) + _nbytes(out)
+            floats = (t.dtype for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.is_floating_point())
+            dtype = DTYPES.get(next(floats, torch.float32), "fp32")
+            self.count.ops[key] = Op(name, phase, flops, nbytes, 0, self._action, call, dtype)
+        self.count.ops[key].calls += 1
+        if flops:
+            self.count.module_flops[self._module(phase)] += flops
+        return out
