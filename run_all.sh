@@ -18,14 +18,19 @@ set -- --eval-every 20 "$@"  # first, so that a --eval-every of yours comes late
 preflight --flags-only ddp "$@"  # the shared flags, checked once before anything runs
 
 strategies=(ddp fsdp pippy tp)
-# a torch older than tensor parallelism needs (docs/versions.md) still runs and compares the other three
-if ! "$PYTHON" -c 'import sys; from common.versions import NEEDS_TP, older_than; sys.exit(older_than(NEEDS_TP))'; then
+# The reference runs where the strategies will (--device auto gives them CUDA only with a GPU per process: on a
+# 1-GPU machine they run on the CPU, and a CUDA reference would differ by CUDA's arithmetic, not the strategy's).
+# A torch older than tensor parallelism needs (docs/versions.md) still runs and compares the other three.
+read -r ref_device has_tp < <("$PYTHON" -c 'import sys, torch; from common.versions import NEEDS_TP, older_than
+gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+print("auto" if gpus >= int(sys.argv[1]) else "cpu", int(not older_than(NEEDS_TP)))' "$NPROC")
+if (( ! has_tp )); then
   strategies=(ddp fsdp pippy)
   echo "== tp left out: this torch is older than tensor parallelism needs (docs/versions.md)"
 fi
 
 echo "== 1-process reference -> $OUT/ref"
-"$PYTHON" train_ddp.py "$@" --out "$OUT/ref"
+"$PYTHON" train_ddp.py --device "$ref_device" "$@" --out "$OUT/ref"  # a --device of yours comes later and wins
 for strategy in "${strategies[@]}"; do
   echo "== $strategy on $NPROC processes -> $OUT/$strategy"
   bash "run_$strategy.sh" "$@" --out "$OUT/$strategy"

@@ -46,11 +46,14 @@ def setup_distributed(
     )
     if use_cuda:
         if torch.cuda.device_count() <= local_rank:
-            raise RuntimeError(
-                f"--device cuda: local rank {local_rank} has no GPU "
-                f"({torch.cuda.device_count()} visible); launch fewer processes per machine"
+            raise UserError(
+                f"--device cuda: local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible); "
+                "launch fewer processes per machine, or use --device cpu"
             )
         torch.cuda.set_device(local_rank)
+        # the same seed gives the same run, and a resume the uninterrupted run: cuDNN's default convolution
+        # backward adds in an order that varies from run to run (1 ulp apart by step 7 on an H100, docs/benchmarks)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
         dev, backend = torch.device("cuda", local_rank), "nccl"
     else:
         dev, backend = torch.device("cpu"), "gloo"

@@ -33,10 +33,33 @@ from runner.memory import check_memory
 NOTHING_TO_DO = 3
 
 
-def runs_on_cpu(cfg: Config) -> bool:
-    """--device cpu, or auto on a machine without an NVIDIA device node: known without importing torch (the
-    workers ask torch.cuda, and check again)."""
-    return cfg.device == "cpu" or (cfg.device == "auto" and not glob.glob("/dev/nvidia[0-9]*"))
+def visible_gpus() -> int:
+    """The GPUs a worker will see, known without importing torch (the workers ask torch.cuda, and check again): the
+    NVIDIA device nodes, or fewer where CUDA_VISIBLE_DEVICES names fewer (CUDA stops at a negative index)."""
+    nodes = len(glob.glob("/dev/nvidia[0-9]*"))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return nodes
+    named = 0
+    for entry in (e.strip() for e in visible.split(",")):
+        if not entry or entry.startswith("-"):
+            break
+        named += 1
+    return min(named, nodes)
+
+
+def runs_on_cpu(cfg: Config, nproc: int = 1) -> bool:
+    """--device cpu, or auto where fewer GPUs are visible than processes per machine (as setup_distributed picks)."""
+    return cfg.device == "cpu" or (cfg.device == "auto" and visible_gpus() < nproc)
+
+
+def check_gpus(cfg: Config, nproc: int) -> None:
+    """--device cuda needs a GPU for every process on this machine: NCCL cannot put two ranks on one GPU."""
+    if cfg.device == "cuda" and (gpus := visible_gpus()) < nproc:
+        raise ConfigError(
+            f"--device cuda: {nproc} processes per machine but {gpus} GPU{'s' * (gpus != 1)} visible; "
+            + (f"run NPROC={gpus}, or --device cpu" if gpus else "use --device cpu (or auto)")
+        )
 
 
 def latest_meta(out_dir: str) -> dict | None:
@@ -100,9 +123,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         for world_size in world_sizes:
             cfg = parse_config(strategy, rest, world_size=world_size)
             check_layout(cfg, world_size)
-        cfg.check(device_type="cpu" if runs_on_cpu(cfg) else "cuda")  # the checks that --device auto deferred
+        per_machine = int(nproc or 1)
+        check_gpus(cfg, per_machine)
+        on_cpu = runs_on_cpu(cfg, per_machine)
+        cfg.check(device_type="cpu" if on_cpu else "cuda")  # the checks that --device auto deferred
         if nproc is not None:
-            check_memory(cfg, nproc=int(nproc), world_size=min(world_sizes), on_cpu=runs_on_cpu(cfg))
+            check_memory(cfg, nproc=per_machine, world_size=min(world_sizes), on_cpu=on_cpu)
         check_out(cfg.out)
         # --resume: a setting that would change the run's curve is refused before anything else happens
         meta = latest_meta(cfg.out) if cfg.resume else None

@@ -73,6 +73,9 @@ def needs_torch(need: Need) -> pytest.MarkDecorator:
 
 def env_for_tests() -> dict[str, str]:
     env = dict(os.environ, PYTHON=sys.executable, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    # The tests assert CPU arithmetic (gloo, bit-for-bit resumes, 1e-6 parity): on a GPU machine the launched runs
+    # hide the GPU rather than mix a CUDA 1-process run with CPU ranks. bench/gpu_proof.sh runs the CUDA paths.
+    env["CUDA_VISIBLE_DEVICES"] = ""
     env.pop("RANK", None)
     return env
 

@@ -188,6 +188,7 @@ BAD_INPUT = [
     (["--model", "vit", "--heads", "5"], {}, "--heads"),  # the width 64 in 5 heads
     (["--model", "vit", "--model-size", "b16"], {}, "--patch-size"),  # a published ViT: patch 16, images of 28
     (["--patch-size", "7"], {}, "--patch-size"),  # a flag of the ViT given to BabyCNN
+    (["--device", "cuda"], {"NPROC": "2"}, "--device cuda"),  # more processes than GPUs (the tests see none)
 ]
 
 
@@ -236,6 +237,14 @@ def test_plain_python_rejects_bad_input_with_one_line(tmp_path):
     assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [
         "error: --lr: must be a positive number, got -1.0"
     ]
+    # a worker that finds no GPU for --device cuda (the tests hide any): one line, from the worker itself
+    proc = run_command(
+        [sys.executable, "train_ddp.py", "--device", "cuda", "--out", str(tmp_path / "cuda")], check=False, timeout=60
+    )
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: --device cuda: local rank 0 has no GPU (0 visible); launch fewer processes per machine, "
+        "or use --device cpu"
+    ], proc.stderr
 
 
 def test_help_lists_flags_with_their_docs():

@@ -52,3 +52,25 @@ def test_set_aside_moves_a_run_to_the_next_free_number_and_leaves_other_folders_
     (tmp_path / "ddp.1").mkdir()
     assert set_aside(str(out)) == f"{out}.2"
     assert not out.exists() and (tmp_path / "ddp.2" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize(
+    "visible,gpus",
+    [(None, 4), ("0,1", 2), ("", 0), ("3", 1), ("1,-1,2", 1), ("GPU-5e1f,GPU-77aa", 2), ("0,1,2,3,4", 4)],
+)
+def test_the_preflight_counts_the_gpus_a_worker_will_see(visible, gpus, monkeypatch):
+    """Four NVIDIA device nodes; CUDA_VISIBLE_DEVICES narrows them (CUDA stops at a negative index): the count that
+    settles --device auto (CPU unless every process has a GPU) and refuses --device cuda with too few."""
+    from runner import preflight
+
+    monkeypatch.setattr(preflight.glob, "glob", lambda pattern: [f"/dev/nvidia{i}" for i in range(4)])
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert preflight.visible_gpus() == gpus
+    cfg = Config(device="auto")
+    assert preflight.runs_on_cpu(cfg, nproc=4) is (gpus < 4)
+    preflight.check_gpus(Config(device="cuda"), gpus)  # as many processes as GPUs: accepted
+    with pytest.raises(ConfigError, match=f"--device cuda: {gpus + 1} processes per machine but {gpus} GPU"):
+        preflight.check_gpus(Config(device="cuda"), gpus + 1)
