@@ -143,34 +143,43 @@ def simulate_bubble(orders: Sequence[Sequence[Action]], cost: Callable[[int, str
     return 1 - sum(busy) / (len(orders) * makespan)
 
 
-def simulate(orders: Sequence[Sequence[Action]], cost: Callable[[int, str], float]) -> tuple[float, list[float]]:
-    """(the time the last rank finishes, each rank's busy time) when every rank runs its actions in
-    `orders[rank]` and an action takes `cost(stage, kind)`: it starts when its rank is free and its input exists
-    (the forward of the previous stage; the backward of the next stage and its own forward)."""
+def action_graph(orders: Sequence[Sequence[Action]]) -> tuple[list[list[tuple]], Callable[[tuple], list[tuple]]]:
+    """Each rank's actions as keys (family F, B or W; stage; micro-batch; occurrence: with accumulation a step runs
+    each micro-batch twice), and the keys an action waits for: the forward of the previous stage; the backward of
+    the next stage and its own forward; a weight gradient, its input gradient."""
     n_stages = 1 + max(stage for order in orders for stage, _, _ in order)
-    finished: dict[tuple, float] = {}
-    position, free, busy = [0] * len(orders), [0.0] * len(orders), [0.0] * len(orders)
-    seen: dict[tuple, int] = defaultdict(int)  # occurrences: with accumulation a step runs each micro-batch twice
-    keys = [[] for _ in orders]
+    seen: dict[tuple, int] = defaultdict(int)
+    keys: list[list[tuple]] = [[] for _ in orders]
     for rank, order in enumerate(orders):
         for stage, kind, mb in order:
             family = "F" if kind == "F" else "W" if kind == "W" else "B"
             keys[rank].append((family, stage, mb, seen[family, stage, mb]))
             seen[family, stage, mb] += 1
 
-    def inputs(family: str, stage: int, mb: int, run: int) -> list[tuple]:
+    def inputs(key: tuple) -> list[tuple]:
+        family, stage, mb, run = key
         if family == "F":
             return [("F", stage - 1, mb, run)] if stage > 0 else []
         if family == "B":
             return [("F", stage, mb, run)] + ([("B", stage + 1, mb, run)] if stage < n_stages - 1 else [])
         return [("B", stage, mb, run)]
 
+    return keys, inputs
+
+
+def simulate(orders: Sequence[Sequence[Action]], cost: Callable[[int, str], float]) -> tuple[float, list[float]]:
+    """(the time the last rank finishes, each rank's busy time) when every rank runs its actions in
+    `orders[rank]` and an action takes `cost(stage, kind)`: it starts when its rank is free and its inputs exist
+    (`action_graph`)."""
+    keys, inputs = action_graph(orders)
+    finished: dict[tuple, float] = {}
+    position, free, busy = [0] * len(orders), [0.0] * len(orders), [0.0] * len(orders)
     while any(position[r] < len(order) for r, order in enumerate(orders)):
         progressed = False
         for rank, order in enumerate(orders):
             while position[rank] < len(order):
                 key = keys[rank][position[rank]]
-                ready = [finished.get(k) for k in inputs(*key)]
+                ready = [finished.get(k) for k in inputs(key)]
                 if None in ready:
                     break
                 stage, kind, _ = order[position[rank]]

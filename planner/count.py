@@ -40,7 +40,7 @@ def _cpu_sdpa_backward(grad_out, query, key, value, *args, out_val=None, **kwarg
 
 
 # The CPU's attention kernels, which flop_counter's registry (CUDA's kernels) does not name
-FLOPS = {
+FLOP_FORMULAS = {
     **flop_registry,
     aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward,
@@ -74,11 +74,13 @@ COLLECTIVES = {
 @dataclass(frozen=True)
 class Collective:
     kind: str  # all_reduce, all_gather, reduce_scatter, broadcast, send, recv
-    ranks: int  # the group's size (2 for a point-to-point op)
+    group_size: int  # the ranks of its group (2 for a point-to-point op)
     bytes: int  # nccl-tests' size of the collective
     phase: str
     action: str = ""  # the pipeline action it belongs to, e.g. "1F" (stage 1 forward); "" outside one
-    group: tuple[int, int] = (0, 1)  # its group's first global rank and the stride between them (which nodes)
+    first_and_stride: tuple[int, int] = (0, 1)  # its group's first global rank, the stride between them (nodes)
+    functional: bool = False  # issued by DTensor (TP): the next operator waits on it
+    logged: bool = False  # a number the script logs once a step (the loss, the gradient norm), not the model's
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,8 @@ class Op:
     action: str = ""
     call: tuple[Any, tuple, dict] | None = field(default=None, repr=False)
     dtype: str = "fp32"  # of its first floating-point input: what a GPU's tensor cores run it in
+    shapes: tuple = ()  # of its tensor arguments
+    signature: str = ""  # its name, overload and arguments that are not tensors: with `shapes`, one kind of call
 
 
 @dataclass
@@ -116,9 +120,10 @@ class StepCount:
         return sum(op.flops * op.calls for op in self.ops.values() if phase in (None, op.phase))
 
     def collective_bytes(self) -> dict[str, int]:
-        """{kind: bytes} over the step: what planner/predict.traffic predicts as each kind's "bytes"."""
+        """{kind: bytes} over the step: what planner/predict.traffic predicts as each kind's "bytes". Single numbers
+        (the loss, the gradient norm's sums: `logged`) are left out, as there and in the profiler's count."""
         found: dict[str, int] = defaultdict(int)
-        for c in self.collectives:
+        for c in (c for c in self.collectives if not c.logged):
             found[c.kind] += c.bytes
         return dict(found)
 
@@ -139,9 +144,8 @@ def _group(func_name: str, args: tuple, kwargs: dict) -> tuple[int, int, int]:
     receive, the pair of this rank and its peer."""
     import torch.distributed as dist
 
-    if func_name.startswith("_c10d_functional"):
-        name = next(a for a in (*args, *kwargs.values()) if isinstance(a, str) and a not in ("sum", "avg"))
-        group = dist.distributed_c10d._resolve_process_group(name)
+    if func_name.startswith("_c10d_functional"):  # (..., group_name): its last argument
+        group = dist.distributed_c10d._resolve_process_group(kwargs.get("group_name", args[-1]))
     else:
         found = next(a for a in args if isinstance(a, (dist.ProcessGroup, torch.ScriptObject)))
         group = dist.ProcessGroup.unbox(found) if isinstance(found, torch.ScriptObject) else found
@@ -169,6 +173,8 @@ class StepCounter(TorchDispatchMode):
         self._stack: list[str] = []
         self._hooks: list[Any] = []
         self._paused = False
+        self._after = ""  # the action that ran last: the schedule sends its output, or its gradient, after it
+        self._logged = False
 
     def __enter__(self) -> StepCounter:
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
@@ -222,12 +228,21 @@ class StepCounter(TorchDispatchMode):
             self._phase = before
 
     @contextmanager
+    def logging(self) -> Iterator[None]:
+        """Collectives inside are the numbers a script logs (Collective.logged)."""
+        self._logged = True
+        try:
+            yield
+        finally:
+            self._logged = False
+
+    @contextmanager
     def action(self, name: str) -> Iterator[None]:
         self._action, before = name, self._action
         try:
             yield
         finally:
-            self._action = before
+            self._action, self._after = before, name
 
     def _module(self, phase: str) -> str:
         if phase == "optimizer":
@@ -252,22 +267,31 @@ class StepCounter(TorchDispatchMode):
             kind, arg, gathered = COLLECTIVES[name]
             ranks, first, stride = _group(name, args, kwargs)
             size = _nbytes(args[arg]) * (ranks if gathered else 1)
+            action = self._action or (self._after if kind in ("send", "recv") else "")
             if ranks > 1:  # (DDP all-reduces over a world of one: nothing moves)
-                self.count.collectives.append(Collective(kind, ranks, size, phase, self._action, (first, stride)))
+                functional = name.startswith("_c10d_functional")
+                found = Collective(kind, ranks, size, phase, action, (first, stride), functional, self._logged)
+                self.count.collectives.append(found)
             return out
-        if name.startswith(("_c10d_functional", "c10d")):
-            return out  # waits, barriers: no work of their own
-        formula = FLOPS.get(func._overloadpacket)
+        if name.startswith(("_c10d_functional", "c10d", "prim.")):
+            return out  # waits, barriers; a tensor's device asked of the mode (an eager step asks no operator)
+        formula = FLOP_FORMULAS.get(func._overloadpacket)
         flops = int(formula(*args, **kwargs, out_val=out)) if formula else 0
         shapes = tuple(tuple(t.shape) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-        key = (name, shapes, phase, self._action)
+        # the overload and the arguments that are not tensors (a convolution's stride, which gradients a backward
+        # computes) make calls of the same shapes different work
+        settings = repr([a for a in tree_leaves((args, kwargs)) if not isinstance(a, torch.Tensor)])
+        key = (f"{name}.{func._overloadname}{settings}", shapes, phase, self._action)
         if key not in self.count.ops:
             spec = lambda t: TensorSpec(tuple(t.shape), tuple(t.stride()), t.dtype)  # noqa: E731
             call = (func, *tree_map_only(torch.Tensor, spec, (args, kwargs)))
-            nbytes = _nbytes((args, kwargs)) + _nbytes(out)
+            # read: its tensor arguments; written: its outputs, or what an in-place operator returns nothing of
+            mutable = (s.alias_info is not None and s.alias_info.is_write for s in func._schema.arguments)
+            written = sum(_nbytes(a) for a, is_written in zip(args, mutable) if is_written)
+            nbytes = _nbytes((args, kwargs)) + (_nbytes(out) or written)
             floats = (t.dtype for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.is_floating_point())
             dtype = DTYPES.get(next(floats, torch.float32), "fp32")
-            self.count.ops[key] = Op(name, phase, flops, nbytes, 0, self._action, call, dtype)
+            self.count.ops[key] = Op(name, phase, flops, nbytes, 0, self._action, call, dtype, shapes, key[0])
         self.count.ops[key].calls += 1
         if flops:
             self.count.module_flops[self._module(phase)] += flops

@@ -35,7 +35,7 @@ from common.memory_peak import PeakBytes, state_tensors
 from common.model import build_model
 from common.model_sizes import input_shape
 from common.recorder import measure_memory
-from common.training import build_optimizer
+from common.training import autocast, build_optimizer
 from planner.count import StepCount, StepCounter
 
 
@@ -131,6 +131,29 @@ def plan_rank(cfg: Config, world_size: int, rank: int, *, count: bool = False) -
         torch._C._clear_DTensor_sharding_propagator_cache()
 
 
+def _once_a_step(counted: Any, params: list[torch.nn.Parameter], cfg: Config, *, groups: tuple = ()) -> None:
+    """Count what every script runs once a step besides its wrap's step: the gradient norm (common/clipping.py,
+    which also clips with --max-grad-norm) and the loss's all-reduce (common/training.global_mean). Each ends by
+    reading its number for the log, which a fake tensor has not: the count stops there. After the measured step,
+    so not in its planned peak."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    from common.clipping import clip_grad_norm
+    from common.training import global_mean
+
+    if counted.count is None:
+        return
+    with counted, counted.phase("optimizer"), counted.logging():
+        for once in (
+            lambda: clip_grad_norm(params, cfg.max_grad_norm, groups=groups),
+            lambda: global_mean(torch.zeros(())),
+        ):
+            try:
+                once()
+            except DataDependentOutputException:
+                pass
+
+
 def _all_reduce_on_fake_group(state, bucket):  # type: ignore[no-untyped-def]  (DDP reads annotations as objects)
     """DDP's all-reduce of a bucket, on the fake group: nothing moves, the counter sees it."""
     dist.all_reduce(bucket.buffer())
@@ -152,9 +175,12 @@ def _ddp_step(cfg: Config, env: DistEnv, fake_mode: Any, counter: Any) -> RankMe
         buckets = tracker.live
         with tracker, counter(plain) as counted:
             images, labels = _batch(cfg, cfg.chunk_size(env.world_size))
-            F.cross_entropy(model(images), labels).backward()
+            with autocast(cfg, env.device):  # --precision bf16, fp16: the forward in it, as train_ddp.py runs it
+                loss = F.cross_entropy(model(images), labels)
+            loss.backward()
             with counted.phase("optimizer"):
                 optimizer.step()
+        _once_a_step(counted, list(model.parameters()), cfg)
         memory = measure_memory(model.parameters(), optimizer, env.device)
         buckets -= memory["param_bytes"] + memory["optim_bytes"]
     return _result(env.rank, memory, tracker, {"DDP's gradient buckets": buckets}, count=counted.count)
@@ -186,6 +212,7 @@ def _fsdp_step(cfg: Config, env: DistEnv, fake_mode: Any, counter: Any) -> RankM
             F.cross_entropy(model(images), labels).backward()
             with counted.phase("optimizer"):
                 optimizer.step()
+        _once_a_step(counted, list(model.parameters()), cfg)
         memory = measure_memory(model.parameters(), optimizer, env.device)
     return _result(env.rank, memory, tracker, {}, count=counted.count)
 
@@ -225,7 +252,12 @@ def _tp_step(cfg: Config, env: DistEnv, fake_mode: Any, counter: Any) -> RankMem
         def step(counted: Any) -> None:
             optimizer.zero_grad(set_to_none=True)
             images, labels = _batch(cfg, cfg.chunk_size(env.world_size))  # the replica's batch, on each TP rank
-            F.cross_entropy(model(images), labels).backward()
+            with autocast(cfg, env.device):  # as train_tp.py runs its forward
+                loss = F.cross_entropy(model(images), labels)
+            loss.backward()
+            with counted.phase("backward"):  # as train_tp.py: sequence parallel's norms' partial gradients summed
+                for p in (p for p in model.parameters() if p.grad is not None and p.grad.placements != p.placements):
+                    p.grad = p.grad.redistribute(placements=p.placements)
             with counted.phase("optimizer"):
                 optimizer.step()
 
@@ -235,6 +267,7 @@ def _tp_step(cfg: Config, env: DistEnv, fake_mode: Any, counter: Any) -> RankMem
         tracker = PeakBytes(state_tensors(model.parameters(), optimizer))
         with tracker, counter(model) as counted:
             step(counted)
+        _once_a_step(counted, list(model.parameters()), cfg)
         memory = measure_memory(model.parameters(), optimizer, env.device)
     return _result(env.rank, memory, tracker, {}, count=counted.count)
 
@@ -303,7 +336,10 @@ def _pipeline_step(cfg: Config, env: DistEnv, fake_mode: Any, counter: Any) -> R
             if optimizer:
                 optimizer.zero_grad(set_to_none=True)
             images, labels = _batch(cfg, cfg.chunk_size(env.world_size))  # every rank loads it, as in the script
-            schedule.step(*([images] if first else []), target=labels if last else None, losses=[] if last else None)
+            with autocast(cfg, env.device):  # as train_pippy.py runs its schedule
+                schedule.step(
+                    *([images] if first else []), target=labels if last else None, losses=[] if last else None
+                )
             if optimizer:
                 with counted.phase("optimizer"):
                     optimizer.step()
@@ -313,6 +349,7 @@ def _pipeline_step(cfg: Config, env: DistEnv, fake_mode: Any, counter: Any) -> R
         with tracker, counted:
             _label_actions(stages, counted)
             step(counted)
+        _once_a_step(counted, params, cfg, groups=(mesh.get_group("pp"),))
         memory = measure_memory(params, optimizer, env.device)
     return _result(env.rank, memory, tracker, {}, in_flight=in_flight, count=counted.count)
 
