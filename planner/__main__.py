@@ -3,11 +3,14 @@
     python -m planner --model-size large        # DDP, FSDP and the pipeline at 1, 4, 64 and 1,024 ranks
     python -m planner --model-size 7b --world-sizes 4,64 --device-memory 80GiB
     python -m planner --model-size medium --all --json plan.json --out plan.png
+    python -m planner --model vit --model-size b16 --world-sizes 8,64 --profile h100-sxm   # + time per step
 
 Every figure comes from running the scripts' own wrap and one training step of it, in this one process, on a
 fake process group of the world size and fake tensors (planner/measure.py): per rank the parameters, gradients
 and optimizer state (what run.json reports), and the peak of the step. Beside them: the textbook's 16 bytes per
-parameter (AdamW, fp32), divided by the ranks sharing each parameter. docs/scale.md says how to read it.
+parameter (AdamW, fp32), divided by the ranks sharing each parameter. With --profile, the same step counted (its
+operators' FLOPs and bytes, its collectives) and timed on that machine (planner/timing.py). docs/scale.md says how to
+read it.
 """
 
 from __future__ import annotations
@@ -17,13 +20,15 @@ import json
 import re
 import sys
 import time
+from dataclasses import replace
 from typing import Sequence
 
-from common.config import MODEL_SIZES, MODELS, OPTIMIZERS, Config
+from common.config import CHOICES, MODEL_SIZES, MODELS, OPTIMIZERS, Config
+from common.errors import ConfigError
 from common.versions import NEEDS_PLANNER
 from common.vit_sizes import VIT_SIZES
-from planner.plan import ALL_VARIANTS, DEFAULT_VARIANTS, VIT_VARIANTS, Plan, plan
-from planner.report import draw, fitting, table
+from planner.plan import ALL_VARIANTS, DEFAULT_VARIANTS, VIT_VARIANTS, Plan, plan, why_not
+from planner.report import draw, fitting, table, time_table
 from runner.entry import fail, require_torch
 
 UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
@@ -48,6 +53,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--per-rank-batch", type=int, default=32, help="samples per rank per step (the suite's: 32)")
     parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     parser.add_argument("--device-memory", help="memory of one device (80GiB): which plans fit, the largest batch")
+    precisions = CHOICES["precision"][1]
+    parser.add_argument("--precision", default="fp32", choices=precisions, help="what the runs compute in")
+    parser.add_argument("--variants", help="only these strategy variants, as the table names them, ';'-separated")
+    parser.add_argument("--profile", help="also time each step on: h100-sxm, a100-sxm, rtx3090, or a profile file")
     parser.add_argument("--json", help="also write every plan here")
     parser.add_argument("--out", help="also draw the plans into this PNG")
     args = parser.parse_args(argv)
@@ -60,17 +69,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, AssertionError):
         fail(f"--world-sizes: expected numbers of ranks like 1,4,64,1024, got {args.world_sizes!r}")
     memory = parse_bytes(args.device_memory) if args.device_memory else None
+    profile = None
+    if args.profile:
+        from planner.timing import load_profile
+
+        try:
+            profile = load_profile(args.profile)
+        except ConfigError as e:
+            fail(str(e))
     started = time.perf_counter()
     plans: list[Plan] = []
     variants = VIT_VARIANTS if args.model == "vit" else ALL_VARIANTS if args.all else DEFAULT_VARIANTS
+    if args.variants:
+        if unknown := [v for v in args.variants.split(";") if v.strip() not in variants]:
+            name, known = unknown[0].strip(), "; ".join(variants)
+            fail(f"--variants: no variant {name!r} for --model {args.model}; choose from {known} (';' between them)")
+        variants = tuple(v.strip() for v in args.variants.split(";"))
     for variant in variants:
         for n in world_sizes:
             batch = args.per_rank_batch * n
             base = Config(model=args.model, model_size=args.model_size, optimizer=args.optimizer, batch_size=batch)
+            base = replace(base, precision=args.precision)
             print(f"planning {variant} on {n} ranks", file=sys.stderr, flush=True)
-            if result := plan(variant, base, n):
+            if result := plan(variant, base, n, profile=profile):
                 plans.append(result)
+            elif args.variants:  # asked for by name: say why it cannot run there
+                fail(f"--world-sizes: {variant} cannot run on {n} ranks: {why_not(variant, base, n)}")
     print(table(plans, args.model, args.model_size, memory=memory))
+    if profile:
+        print(time_table(plans, f"{profile.name}, {args.precision}"))
     if memory:
         print(fitting(plans, memory, per_rank_batch=args.per_rank_batch))
     print(f"({len(plans)} plans in {time.perf_counter() - started:.0f} s)")

@@ -7,9 +7,11 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from common.config import Config
+from common.errors import ConfigError
 from common.model_sizes import blocks, layers, max_stages, parameter_count, tp_degree, tp_fsdp_units, tp_layer_params
 from planner.measure import RankMemory, plan_rank
 from planner.predict import state_bytes_theory, tp_state_bytes_theory
+from planner.timing import Profile, StepTime, predict
 from runner.layout import would_start
 
 DEFAULT_VARIANTS = ("ddp", "fsdp full, a unit per layer", "fsdp full, one unit", "pipeline 1f1b", "fsdp x tp")
@@ -38,6 +40,7 @@ class Plan:
     optimizer: str
     flags: dict[str, Any]  # the Config fields that make the variant (its run's flags)
     ranks: list[RankMemory] = field(default_factory=list)
+    time: StepTime | None = None  # with a machine profile (planner/timing.py)
     textbook_state_bytes: float = 0.0  # 16 bytes per parameter (AdamW, fp32), divided by the ranks sharing it
     unit_bytes: int = 0  # FSDP: the largest unit's parameters and gradients held whole while it runs
     model: str = "cnn"
@@ -50,7 +53,8 @@ class Plan:
         ranks = [{f.name: getattr(r, f.name) for f in fields(r) if f.name != "count"} for r in self.ranks]
         for rank, r in zip(ranks, self.ranks):
             rank["count"] = r.count.to_json() if r.count else None
-        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "ranks"}, "ranks": ranks}
+        mine = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("ranks", "time")}
+        return {**mine, "ranks": ranks, "time": self.time.to_json() if self.time else None}
 
 
 def variant_config(variant: str, base: Config, world_size: int) -> Config | None:
@@ -143,7 +147,31 @@ def unit_bytes(cfg: Config, world_size: int) -> int:
     return 2 * 4 * largest
 
 
-def plan(variant: str, base: Config, world_size: int) -> Plan | None:
+def why_not(variant: str, base: Config, world_size: int) -> str:
+    """Why `variant` cannot run on `world_size` ranks, in the scripts' words where they have some."""
+    from runner.layout import check_layout
+
+    name, _, mode = variant.partition(",")[0].partition(" ")
+    strategy = {"pipeline": "pippy", "fsdp": "tp" if variant.startswith("fsdp x") else "fsdp"}.get(name, name)
+    cfg = replace(base, strategy=strategy, schedule=mode if strategy == "pippy" else base.schedule)
+    try:
+        replace(cfg).check(world_size=world_size)
+        check_layout(cfg, world_size, planned=True)
+    except (ConfigError, ValueError) as e:
+        return str(e)
+    return "its layout needs a number of ranks its parts divide (hybrid: even; TP: one its heads or width allow)"
+
+
+def time_config(cfg: Config, world_size: int, profile: Profile) -> StepTime:
+    """The step of `cfg` on `world_size` ranks on `profile`'s machine, from its planned ranks' counted steps."""
+    ranks = ranks_to_measure(cfg, world_size)
+    return predict(
+        cfg, world_size, {rank: plan_rank(cfg, world_size, rank, count=True).count for rank in ranks}, profile
+    )
+
+
+def plan(variant: str, base: Config, world_size: int, *, profile: Profile | None = None) -> Plan | None:
+    """`variant` on `world_size` ranks, planned (None where it cannot run); with `profile`, its step's time too."""
     cfg = variant_config(variant, base, world_size)
     if cfg is None:
         return None
@@ -160,5 +188,9 @@ def plan(variant: str, base: Config, world_size: int) -> Plan | None:
         unit_bytes=unit_bytes(cfg, world_size),
         model=cfg.model,
     )
-    result.ranks = [plan_rank(cfg, world_size, rank) for rank in ranks_to_measure(cfg, world_size)]
+    count = profile is not None
+    result.ranks = [plan_rank(cfg, world_size, rank, count=count) for rank in ranks_to_measure(cfg, world_size)]
+    if profile is not None:
+        counts = {rank: r.count for rank, r in zip(ranks_to_measure(cfg, world_size), result.ranks) if r.count}
+        result.time = predict(cfg, world_size, counts, profile)
     return result

@@ -77,6 +77,29 @@ def table(plans: list[Plan], model: str, model_size: str, *, memory: int | None)
     return "\n".join(lines)
 
 
+def seconds(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def time_table(plans: list[Plan], profile_name: str) -> str:
+    """Each plan's step, predicted on the profile's machine (planner/timing.py): the slowest rank's compute and
+    communication, what of that communication no compute hides, a pipeline's bubble."""
+    lines = [
+        f"\nTime per step on {profile_name} (planner/timing.py; docs/scale.md, Time):",
+        "",
+        "| strategy | ranks | step | samples/s | MFU | compute | communication | exposed | bubble |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in (p for p in plans if p.time):
+        t = p.time
+        bubble = f"{t.bubble:.0%}" if p.flags["strategy"] == "pippy" else "-"
+        lines.append(
+            f"| {p.variant} | {p.world_size} | {seconds(t.step_s)} | {t.samples_per_s:,.0f} | {t.mfu:.1%} | "
+            f"{seconds(t.compute_s)} | {seconds(t.communication_s)} | {seconds(t.exposed_s)} | {bubble} |"
+        )
+    return "\n".join(lines)
+
+
 def fitting(plans: list[Plan], memory: int, *, per_rank_batch: int) -> str:
     """For every plan: the largest per-rank batch whose planned peak fits `memory`, found by planning, not by
     extrapolating (a step's peak is not a straight line in the batch): a batch planned and seen to fit, and the

@@ -1,0 +1,421 @@
+"""Time on the plan: a training step's time per rank, predicted from the planner's counted fake step
+(planner/count.py) and a machine profile (planner/profiles/: published figures for GPUs, or this machine's, measured
+by `python -m bench.machine`). docs/scale.md, "Time", says how to read it.
+
+- **Compute**: every operator the step ran, `calls x (work + overhead)`: its work as the profile timed that very
+  call, else `max(FLOPs / achievable FLOP/s, bytes / memory bandwidth)` at its class's rate (a matmul, a
+  convolution, attention); its overhead what an eager call costs besides (on a GPU the host's launch, hidden by
+  work that takes longer). On a CPU, ranks that share the cores more than once (4 processes on 2) get their share.
+- **Communication**: every collective at its size on the links its group spans: on a GPU the profile's bus
+  bandwidth (nccl-tests' definition) within a node or across the network, plus a latency per call; on this machine
+  the time measured for that collective, size and group (bench.collectives' table, interpolated).
+- **Overlap**: on a GPU, collectives run beside compute on their own stream: DDP's bucket all-reduces beside the
+  rest of backward, FSDP's prefetched all-gathers beside the previous unit, its reduce-scatters beside the next; n
+  chunks of compute C and communication A overlapped take max(C + A / n, A + C / n) (one chunk of each is
+  exposed). TP's collectives and the numbers logged after backward are on the critical path. On a CPU gloo
+  reduces on the cores that compute: nothing hides.
+- **The pipeline**: each rank's stage actions in the order its schedule ran them (the fake step's own order), each
+  costing its operators plus the activation it sends; simulated together (common/pipeline_actions.py), the makespan
+  holds the bubble.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common.errors import ConfigError
+from planner.count import Collective, Op, StepCount
+
+PROFILES = Path(__file__).resolve().parent / "profiles"
+MATMULS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm")
+CONVOLUTIONS = ("aten.convolution", "aten._convolution", "aten.convolution_backward", "aten._slow_conv2d_forward")
+# Operators that only relabel memory (a view, a transpose, autograd's detach): no kernel, and none of what an eager
+# call costs besides (Python, the modules, autograd's bookkeeping) is theirs; they take what timing them took
+VIEWS = {
+    f"aten.{name}"
+    for name in (
+        "view _unsafe_view _reshape_alias t transpose permute expand unsqueeze squeeze slice select alias as_strided "
+        "detach split split_with_sizes unbind lift_fresh"
+    ).split()
+} | {"profiler._record_function_enter_new", "profiler._record_function_exit"}
+ALLOCATIONS = {f"aten.{name}" for name in "empty empty_strided new_empty new_empty_strided empty_like".split()}
+BUS_FACTOR = {  # nccl-tests' busbw / algbw on n ranks: the share of the size each rank sends
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "send": lambda n: 1.0,
+}
+
+
+def op_class(name: str) -> str:
+    """The class whose achievable FLOP/s an operator runs at: matmul, conv, attention, or memory (no FLOPs)."""
+    if name in MATMULS:
+        return "matmul"
+    if name in CONVOLUTIONS:
+        return "conv"
+    return "attention" if "attention" in name else "memory"
+
+
+def operator_key(op: Op) -> str:
+    """How a profile's table names one kind of operator call: its signature (name, overload, the arguments that are
+    not tensors), its tensors' shapes, its dtype."""
+    return f"{op.signature}{list(map(list, op.shapes))}{op.dtype}"
+
+
+@dataclass
+class Compute:
+    """What one rank computes at: FLOP/s by operator class ("matmul", or "matmul:bf16" for one dtype), memory
+    bandwidth, and the time each operator call costs besides its work: on a CPU added to it, on a GPU the host's
+    time to launch it, which runs ahead of the device's (an operator takes the longer of the two)."""
+
+    flops: dict[str, float]
+    memory_bytes_per_s: float
+    op_overhead_s: float
+    launch_overlaps: bool = False
+    operators: dict[str, float] = field(default_factory=dict)  # operator_key -> seconds, as this machine timed them
+    alone_overhead_s: float = 0.0  # what timing an operator alone cost besides its work (the fit's constant)
+
+    def op_parts(self, op: Op) -> tuple[float, float]:
+        """(one call's work in seconds, what the call adds besides: its overhead, or on a GPU the part of the launch
+        that the work does not hide). The profile's own timing of this very call if it has one, else its FLOPs at
+        its class's rate or its bytes at the memory bandwidth, whichever is longer (plus the fitted cost per call
+        of an operator timed alone); a view or an allocation moves no data."""
+        timed = self.operators.get(operator_key(op)) if self.operators else None
+        if timed is not None:
+            work = timed
+        elif op.name in VIEWS or op.name in ALLOCATIONS:
+            work = 0.0
+        else:
+            cls = op_class(op.name)
+            rate = (self.flops.get(f"{cls}:{op.dtype}") or self.flops.get(cls)) if op.flops else None
+            work = self.alone_overhead_s + max(op.flops / rate if rate else 0.0, op.bytes / self.memory_bytes_per_s)
+        overhead = 0.0 if op.name in VIEWS else self.op_overhead_s
+        return work, (max(0.0, overhead - work) if self.launch_overlaps else overhead)
+
+    def op_time(self, op: Op) -> float:
+        return sum(self.op_parts(op))
+
+
+@dataclass
+class Profile:
+    """A machine: how fast one rank computes and how fast its collectives are. `kind` "gpu": one rank per device,
+    `devices_per_node` per node, `links` {"node", "network"}: {"busbw_bytes_per_s", "latency_s"}. `kind` "cpu":
+    `cores` shared by the ranks, compute by threads per rank, `collectives` {group size: bench.collectives rows}
+    (none: a machine measured for one process)."""
+
+    name: str
+    kind: str
+    compute: dict[int, Compute]  # threads per rank (a GPU: 1) -> Compute
+    peak_flops: dict[str, float]  # dtype -> the device's (a CPU's: all cores') dense peak, for MFU
+    devices_per_node: int = 1
+    cores: int = 1
+    links: dict[str, dict[str, float]] = field(default_factory=dict)
+    collectives: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    overlap: bool = False
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def peak(self, precision: str) -> float:
+        """The dense peak FLOP/s MFU is against: the run's dtype's, else the profile's fp32 one."""
+        return self.peak_flops.get(precision) or self.peak_flops["fp32"]
+
+    def threads(self, procs_per_node: int) -> int:
+        """The threads each process runs (common/distributed.py: cores / local processes, at least 1)."""
+        return 1 if self.kind == "gpu" else max(1, self.cores // procs_per_node)
+
+    def for_threads(self, threads: int) -> Compute:
+        return self.compute.get(threads) or self.compute[min(self.compute, key=lambda t: abs(t - threads))]
+
+    def collective_time(self, c: Collective) -> float:
+        """One collective's seconds: its bytes over the links its group spans (a GPU), or as measured here."""
+        kind = "send" if c.kind in ("send", "recv") else c.kind
+        if c.kind == "recv":
+            return 0.0  # a transfer is counted once, at its sender; the receiver waits for it in the schedule
+        if self.kind == "cpu":
+            # gloo has no reduce-scatter of its own for DTensor's functional collective: it all-reduces the whole
+            # tensor (docs/tp.md)
+            kind = "all_reduce" if c.functional and kind == "reduce_scatter" else kind
+            return self._measured_time(kind, c.group_size, c.bytes)
+        first, stride = c.first_and_stride
+        spans = (first + (c.group_size - 1) * stride) // self.devices_per_node != first // self.devices_per_node
+        link = self.links["network" if spans else "node"]
+        # latency: a ring's steps, or for large groups a tree's (NCCL picks the tree where its latency is lower)
+        n = c.group_size
+        steps = 1 if kind == "send" else min(n - 1, 2 * math.ceil(math.log2(n))) * (2 if kind == "all_reduce" else 1)
+        return steps * link["latency_s"] + c.bytes * BUS_FACTOR[kind](n) / link["busbw_bytes_per_s"]
+
+    def _measured_time(self, kind: str, ranks: int, nbytes: int) -> float:
+        from bench.collectives import predict_time_s
+
+        op = "send_recv" if kind == "send" else kind
+        sizes = [n for n, rows in self.collectives.items() if any(r["op"] == op for r in rows)]
+        if not nbytes:
+            return 0.0
+        if not sizes:
+            raise ConfigError(
+                f"--profile: {self.name} has no {op} measured on {ranks} processes: python -m bench.machine --procs"
+            )
+        measured = min(sizes, key=lambda n: (abs(n - ranks), -n))  # the group size measured nearest
+        rows = [r for r in self.collectives[measured] if r["op"] == op]
+        largest = max(rows, key=lambda r: r["bytes"])
+        if nbytes > largest["bytes"]:  # beyond what was measured: at the largest size's bandwidth
+            seconds = largest["time_s"] * nbytes / largest["bytes"]
+        else:
+            seconds = predict_time_s(rows, op, nbytes)
+        # a group size not measured: the same bus bandwidth at the measured one's
+        return seconds * BUS_FACTOR[kind](ranks) / BUS_FACTOR[kind](measured)
+
+
+def load_profile(name: str) -> Profile:
+    """A profile by name (planner/profiles/<name>.json) or path; ConfigError, one line, naming what is wrong."""
+    path = Path(name) if name.endswith(".json") or "/" in name else PROFILES / f"{name}.json"
+    known = ", ".join(sorted(p.stem for p in PROFILES.glob("*.json")))
+    if not path.exists():
+        raise ConfigError(
+            f"--profile: no profile {name!r}; use one of {known}, or a file python -m bench.machine wrote"
+        )
+    try:
+        data = json.loads(path.read_text())
+        if data["kind"] not in ("cpu", "gpu"):
+            raise ValueError(f"kind {data['kind']!r}: cpu or gpu")
+        gpu = data["kind"] == "gpu"
+        if gpu and not {"node", "network"} <= set(data["links"]):
+            raise ValueError("a GPU's links: node and network, each busbw_bytes_per_s and latency_s")
+        if "fp32" not in data["peak_flops"]:
+            raise ValueError("peak_flops: {dtype: FLOP/s}, fp32 among them")
+        numbers = [*data["peak_flops"].values(), *(c["memory_bytes_per_s"] for c in data["compute"].values())]
+        numbers += [link[k] for link in data.get("links", {}).values() for k in ("busbw_bytes_per_s", "latency_s")]
+        if not data["compute"] or not all(isinstance(n, (int, float)) and n >= 0 for n in numbers):
+            raise ValueError("compute by threads, its rates and the links' positive numbers")
+        compute = {
+            int(threads): Compute(
+                c["flops"],
+                float(c["memory_bytes_per_s"]),
+                float(c["op_overhead_s"]),
+                gpu,
+                c.get("operators", {}),
+                float(c.get("alone_overhead_s", 0.0)),
+            )
+            for threads, c in data["compute"].items()
+        }
+        return Profile(
+            name=data["name"],
+            kind=data["kind"],
+            compute=compute,
+            peak_flops={dtype: float(value) for dtype, value in data["peak_flops"].items()},
+            devices_per_node=int(data.get("devices_per_node", 1)),
+            cores=int(data.get("cores", 1)),
+            links=data.get("links", {}),
+            collectives={int(n): rows for n, rows in data.get("collectives", {}).items()},
+            overlap=bool(data.get("overlap", False)),
+            sources=data.get("sources", {}),
+        )
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        what = f"{type(e).__name__}: {e}" if not isinstance(e, json.JSONDecodeError) else f"not JSON ({e})"
+        raise ConfigError(f"--profile: {path} is not a machine profile ({what}); see docs/scale.md, Time") from None
+
+
+@dataclass
+class RankTime:
+    """One rank's step, in seconds: compute and communication by phase, what of the communication is exposed."""
+
+    rank: int
+    compute: dict[str, float]
+    communication: dict[str, float]
+    exposed: dict[str, float]
+    step_s: float
+    bubble_s: float = 0.0
+    overhead_s: float = 0.0  # of compute: what the operators' calls cost besides their work
+    sharing_s: float = 0.0  # of compute: what processes that share the cores (on a CPU) wait for theirs
+
+
+def _phase_time(compute: float, hidden: float, exposed: float, chunks: int) -> float:
+    """A phase's seconds: `compute`, the communication that runs beside it (`hidden`, in `chunks` pieces: n chunks
+    of compute C and communication A take max(C + A / n, A + C / n), one end of each exposed) and the
+    communication that waits for it (`exposed`)."""
+    if hidden:
+        chunks = max(chunks, 1)
+        compute = max(compute + hidden / chunks, hidden + compute / chunks)
+    return compute + exposed
+
+
+def rank_time(count: StepCount, profile: Profile, *, procs_per_node: int, rank: int = 0) -> RankTime:
+    """The step of one rank (a pipeline rank: its work outside its actions). What overlaps: on a machine whose
+    collectives run beside compute (a GPU's own stream), DDP's and FSDP's, in forward and backward; not TP's (the
+    next operator waits on them, `Collective.functional`), nor the numbers logged after backward."""
+    threads = profile.threads(procs_per_node)
+    compute_at = profile.for_threads(threads)
+    share = max(1.0, procs_per_node * threads / profile.cores) if profile.kind == "cpu" else 1.0
+    compute: dict[str, float] = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+    overhead = 0.0
+    for op in count.ops.values():
+        work, more = compute_at.op_parts(op)
+        compute[op.phase] += op.calls * (work + more) * share
+        overhead += op.calls * more
+    comm = {phase: 0.0 for phase in compute}
+    beside = {phase: 0.0 for phase in compute}
+    chunks = {phase: 0 for phase in compute}
+    for c in count.collectives:
+        seconds = profile.collective_time(c)
+        comm[c.phase] += seconds
+        if profile.overlap and not c.functional and c.phase != "optimizer" and c.kind not in ("send", "recv"):
+            beside[c.phase] += seconds
+            chunks[c.phase] += 1
+    total = {p: _phase_time(compute[p], beside[p], comm[p] - beside[p], chunks[p]) for p in compute}
+    exposed = {p: total[p] - compute[p] for p in compute}
+    sharing = sum(compute.values()) * (1 - 1 / share)
+    return RankTime(rank, compute, comm, exposed, sum(total.values()), 0.0, overhead, sharing)
+
+
+def simulate_sharing(
+    orders: list[list[tuple[int, str, int]]], cost: Any, *, cores: float, threads: int
+) -> tuple[float, list[float]]:
+    """common/pipeline_actions.simulate on ranks that share `cores`: while k ranks of `threads` threads are busy,
+    each advances at min(1, cores / (k x threads)) of its own speed (a rank waiting for its neighbour leaves its
+    core to the others). (the makespan, each rank's busy seconds)."""
+    from common.pipeline_actions import action_graph
+
+    keys, inputs = action_graph(orders)
+    finished: dict[tuple, float] = {}
+    position, left, busy = [0] * len(orders), [None] * len(orders), [0.0] * len(orders)  # left: work of the running
+    now = 0.0
+    while True:
+        for rank, order in enumerate(orders):  # start what can start
+            if left[rank] is None and position[rank] < len(order):
+                key = keys[rank][position[rank]]
+                if all(k in finished for k in inputs(key)):
+                    left[rank] = cost(*order[position[rank]][:2])
+        running = [r for r in range(len(orders)) if left[r] is not None]
+        if not running:
+            if any(position[r] < len(order) for r, order in enumerate(orders)):
+                raise RuntimeError("the recorded action orders depend on each other in a cycle")
+            return now, busy
+        speed = min(1.0, cores / (len(running) * threads))
+        dt = min(left[r] for r in running) / speed  # type: ignore[operator]
+        now += dt
+        for r in running:
+            busy[r] += dt
+            left[r] -= dt * speed  # type: ignore[operator]
+            if left[r] <= 1e-9 * (1 + now):  # type: ignore[operator]  (what rounding leaves of the shortest)
+                finished[keys[r][position[r]]] = now
+                position[r], left[r] = position[r] + 1, None
+
+
+def pipeline_time(
+    counts: list[StepCount], profile: Profile, *, procs_per_node: int, ranks: list[int]
+) -> tuple[float, float, list[RankTime]]:
+    """(step seconds, bubble share, per rank) of the pipeline ranks `ranks` of one replica, whose `counts` hold the
+    order of their actions: each action costs its operators, its collectives (TP's inside a stage, FSDP's over the
+    replicas) and the activation or gradient it sends; the actions are simulated together, and each rank's work
+    outside them (the optimizer, the logged numbers) is added to the makespan."""
+    from common.pipeline_actions import simulate
+
+    if not all(count.actions for count in counts):
+        raise RuntimeError("a pipeline rank's count holds no stage actions: its schedule's stages were not labelled")
+    threads = profile.threads(procs_per_node)
+    compute_at = profile.for_threads(threads)
+    cost: dict[tuple[int, str], float] = {}
+    runs: dict[tuple[int, str], int] = {}
+    outside, inside = [], []
+    for count in counts:
+        for stage, kind, _ in count.actions:
+            runs[stage, kind] = runs.get((stage, kind), 0) + 1
+        rest = StepCount(collectives=[c for c in count.collectives if not c.action])
+        mine = {"forward": 0.0, "backward": 0.0, "overhead": 0.0, "communication": 0.0}  # inside its actions
+        for op in count.ops.values():
+            work, more = compute_at.op_parts(op)
+            if op.action:
+                key = (int(op.action[:-1]), op.action[-1])
+                cost[key] = cost.get(key, 0.0) + op.calls * (work + more)
+                mine[op.phase] += op.calls * (work + more)
+                mine["overhead"] += op.calls * more
+            else:  # (its share of the cores: rank_time's)
+                rest.ops[op.name, op.phase, id(op)] = op
+        for c in (c for c in count.collectives if c.action):
+            key = (int(c.action[:-1]), c.action[-1])
+            cost[key] = cost.get(key, 0.0) + profile.collective_time(c)
+            mine["communication"] += profile.collective_time(c)
+        outside.append(rest)
+        inside.append(mine)
+    per_action = {key: seconds / runs[key] for key, seconds in cost.items() if runs.get(key)}
+    orders = [count.actions for count in counts]
+    action_cost = lambda stage, kind: per_action.get((stage, kind), 0.0)  # noqa: E731
+    if profile.kind == "cpu":  # the ranks share the cores as they are busy, not all the time
+        copies = max(1, procs_per_node // len(orders))  # the other replicas' (and TP ranks') same actions, alongside
+        makespan, busy = simulate_sharing(orders, action_cost, cores=profile.cores, threads=threads * copies)
+    else:
+        makespan, busy = simulate(orders, action_cost)
+    times = [rank_time(rest, profile, procs_per_node=procs_per_node, rank=r) for r, rest in zip(ranks, outside)]
+    bubble = 1 - sum(busy) / (len(orders) * makespan) if makespan else 0.0
+    for r, busy_s, mine in zip(times, busy, inside):
+        alone = mine["forward"] + mine["backward"] + mine["communication"]  # had its actions the cores to themselves
+        r.bubble_s = makespan - busy_s
+        r.sharing_s += max(0.0, busy_s - alone)
+        r.overhead_s += mine["overhead"]
+        r.communication["forward"] += mine["communication"]  # (on the critical path: in the makespan)
+        r.exposed["forward"] += mine["communication"]
+        r.step_s += makespan
+        for phase in ("forward", "backward"):
+            r.compute[phase] += mine[phase]
+    return max(r.step_s for r in times), bubble, times
+
+
+@dataclass
+class StepTime:
+    """A strategy's step at one world size, predicted: seconds, samples/s, MFU, and where the time goes (the
+    slowest rank's compute, communication and what of it is exposed; a pipeline's bubble share)."""
+
+    step_s: float
+    samples_per_s: float
+    mfu: float
+    compute_s: float
+    communication_s: float
+    exposed_s: float
+    bubble: float
+    ranks: list[RankTime]
+    overhead_s: float = 0.0
+    sharing_s: float = 0.0
+    bubble_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        fields = ("step_s", "samples_per_s", "mfu", "compute_s", "communication_s", "exposed_s", "bubble")
+        fields += ("overhead_s", "sharing_s", "bubble_s")
+        return {**{f: getattr(self, f) for f in fields}, "ranks": [r.__dict__ for r in self.ranks]}
+
+
+def predict(cfg: Any, world_size: int, counts: dict[int, StepCount], profile: Profile) -> StepTime:
+    """The step of `cfg` on `world_size` ranks from the counted steps of its planned ranks ({rank: count}):
+    the slowest rank's, or a pipeline replica's simulated schedule."""
+    from common.pipeline_layout import PipelineLayout
+    from planner.predict import model_flops_per_step
+
+    per_node = min(world_size, profile.devices_per_node) if profile.kind == "gpu" else world_size
+    bubble = 0.0
+    if cfg.strategy == "pippy":
+        pp_ranks = [i * cfg.tp for i in range(PipelineLayout.of(cfg, world_size).pp_size)]  # replica 0, TP rank 0
+        step, bubble, ranks = pipeline_time(
+            [counts[r] for r in pp_ranks], profile, procs_per_node=per_node, ranks=pp_ranks
+        )
+    else:
+        ranks = [rank_time(count, profile, procs_per_node=per_node, rank=r) for r, count in counts.items()]
+        step = max(r.step_s for r in ranks)
+    slowest = max(ranks, key=lambda r: r.step_s)
+    model = model_flops_per_step(cfg)
+    devices = world_size if profile.kind == "gpu" else 1  # a CPU profile's peak is the whole machine's
+    return StepTime(
+        step_s=step,
+        samples_per_s=cfg.batch_size / step if step else math.nan,
+        mfu=model / (step * devices * profile.peak(cfg.precision)) if step else math.nan,
+        compute_s=sum(slowest.compute.values()),
+        communication_s=sum(slowest.communication.values()),
+        exposed_s=sum(slowest.exposed.values()),
+        bubble=bubble,
+        ranks=ranks,
+        overhead_s=slowest.overhead_s,
+        sharing_s=slowest.sharing_s,
+        bubble_s=slowest.bubble_s,
+    )

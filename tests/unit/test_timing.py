@@ -1,0 +1,202 @@
+"""The time model's arithmetic (planner/timing.py) on hand-made counts and profiles, the published profiles' shape,
+and the planner's one-line refusals of a profile it cannot use."""
+
+import json
+
+import pytest
+
+from common.errors import ConfigError
+from common.versions import NEEDS_PLANNER
+from planner.count import Collective, Op, StepCount
+from planner.timing import (
+    PROFILES,
+    Compute,
+    Profile,
+    load_profile,
+    operator_key,
+    pipeline_time,
+    predict,
+    rank_time,
+    simulate_sharing,
+)
+from tests.helpers import needs_torch
+
+
+def gpu(overlap: bool = True) -> Profile:
+    compute = {1: Compute({"matmul": 1e12}, 1e12, 1e-6, launch_overlaps=True)}
+    links = {
+        "node": {"busbw_bytes_per_s": 1e11, "latency_s": 0.0},
+        "network": {"busbw_bytes_per_s": 1e10, "latency_s": 0.0},
+    }
+    return Profile("test gpu", "gpu", compute, {"fp32": 1e12}, devices_per_node=8, links=links, overlap=overlap)
+
+
+def mm(flops: int, phase: str = "backward", *, calls: int = 1, action: str = "", nbytes: int = 0, dtype="fp32") -> Op:
+    return Op("aten.mm", phase, flops, nbytes, calls, action, dtype=dtype)
+
+
+def step(*, matmul_flops: int, collectives: list[Collective]) -> StepCount:
+    count = StepCount(collectives=collectives)
+    count.ops[("aten.mm", (), "backward", "")] = mm(matmul_flops)
+    return count
+
+
+def test_an_operator_takes_its_work_and_its_overhead():
+    cpu = Compute({"matmul": 1e9, "conv": 5e8}, 1e9, 1e-5)
+    assert cpu.op_time(mm(2_000_000)) == pytest.approx(2e-3 + 1e-5)  # added on a CPU
+    assert cpu.op_time(Op("aten.convolution", "forward", 1_000_000, 0)) == pytest.approx(2e-3 + 1e-5)
+    assert cpu.op_time(Op("aten.relu", "forward", 0, 4_000_000)) == pytest.approx(4e-3 + 1e-5)  # bytes / bandwidth
+    assert cpu.op_time(Op("aten.t", "forward", 0, 4_000_000)) == 0  # a view moves nothing, costs no call
+    assert cpu.op_time(Op("aten.empty", "forward", 0, 4_000_000)) == pytest.approx(1e-5)  # an allocation: its call
+    timed = Op("aten.relu", "forward", 0, 4_000_000, signature="aten.relu.default[]", shapes=((1000,),))
+    table = Compute({}, 1e9, 1e-5, operators={operator_key(timed): 7e-3})
+    assert table.op_time(timed) == pytest.approx(7e-3 + 1e-5)  # the profile timed this very call
+    device = Compute({"matmul:bf16": 1e12, "matmul": 1e11}, 1e12, 1e-5, launch_overlaps=True)
+    assert device.op_time(mm(10**6, dtype="bf16")) == pytest.approx(1e-5)  # a tiny kernel: the launch's time
+    assert device.op_time(mm(10**9, dtype="bf16")) == pytest.approx(1e-3)  # a large one: its own
+    assert device.op_time(mm(10**9)) == pytest.approx(1e-2)  # no fp32 rate of its own: the class's
+
+
+def test_overlapped_communication_hides_behind_compute_and_tp_s_does_not():
+    # 1 ms of backward compute and 8 bucket all-reduces of 12.5 MB over 8 GPUs of a node: 8 x 12.5 MB x 2 x 7/8 /
+    # 100 GB/s = 1.75 ms of communication; overlapped in 8 chunks, the step takes max(1 + 1.75/8, 1.75 + 1/8) ms
+    buckets = [Collective("all_reduce", 8, 12_500_000, "backward") for _ in range(8)]
+    ddp = rank_time(step(matmul_flops=10**9, collectives=buckets), gpu(), procs_per_node=8)
+    assert ddp.communication["backward"] == pytest.approx(1.75e-3)
+    assert ddp.step_s == pytest.approx(1.75e-3 + 1e-3 / 8)
+    tp_like = [Collective("all_reduce", 8, 12_500_000, "backward", functional=True) for _ in range(8)]
+    tp = rank_time(step(matmul_flops=10**9, collectives=tp_like), gpu(), procs_per_node=8)  # the next op waits
+    assert tp.step_s == pytest.approx(1e-3 + 1.75e-3) and tp.exposed["backward"] == pytest.approx(1.75e-3)
+    no_overlap = rank_time(step(matmul_flops=10**9, collectives=buckets), gpu(overlap=False), procs_per_node=8)
+    assert no_overlap.step_s == pytest.approx(tp.step_s)
+    logged = [Collective("all_reduce", 8, 12_500_000, "optimizer", logged=True)]  # after backward: nothing to hide in
+    assert rank_time(step(matmul_flops=10**9, collectives=logged), gpu(), procs_per_node=8).step_s == pytest.approx(
+        1e-3 + 12_500_000 * 2 * 7 / 8 / 1e11
+    )
+
+
+def test_a_group_across_nodes_runs_at_the_network_s_bandwidth():
+    within = Collective("all_gather", 8, 10**9, "forward", "", (0, 1))  # ranks 0-7: one node
+    across = Collective("all_gather", 8, 10**9, "forward", "", (0, 8))  # ranks 0, 8, ..., 56: eight nodes
+    assert gpu().collective_time(within) == pytest.approx(10**9 * 7 / 8 / 1e11)
+    assert gpu().collective_time(across) == pytest.approx(10**9 * 7 / 8 / 1e10)
+    assert gpu().collective_time(Collective("recv", 2, 10**9, "forward")) == 0  # counted at its sender
+
+
+def cpu_profile(cores: int = 2) -> Profile:
+    """A CPU whose one thread does 1 GFLOP/s (2 threads 2), and whose collectives bench.collectives measured at
+    2 ranks: an all-reduce 1 ms a MB."""
+    threads = {1: Compute({"matmul": 1e9}, 1e9, 0.0), 2: Compute({"matmul": 2e9}, 2e9, 0.0)}
+    rows = [{"op": "all_reduce", "bytes": b, "time_s": b / 1e9} for b in (10**3, 10**6)]
+    return Profile("test cpu", "cpu", threads, {"fp32": 2e9}, cores=cores, collectives={2: rows})
+
+
+def test_processes_that_share_the_cores_share_their_time():
+    count = step(matmul_flops=10**9, collectives=[])
+    assert rank_time(count, cpu_profile(), procs_per_node=1).step_s == pytest.approx(0.5)
+    assert rank_time(count, cpu_profile(), procs_per_node=2).step_s == pytest.approx(1.0)
+    four = rank_time(count, cpu_profile(), procs_per_node=4)
+    assert four.step_s == pytest.approx(2.0) and four.sharing_s == pytest.approx(1.0)
+
+
+def test_a_cpu_collective_takes_what_was_measured_and_beyond_it_the_largest_size_s_bandwidth():
+    cpu = cpu_profile()
+    assert cpu.collective_time(Collective("all_reduce", 2, 10**6, "backward")) == pytest.approx(1e-3)
+    assert cpu.collective_time(Collective("all_reduce", 2, 10**8, "backward")) == pytest.approx(0.1)  # 100 x 1 MB
+    assert cpu.collective_time(Collective("all_reduce", 4, 10**6, "backward")) == pytest.approx(1e-3 * 1.5)  # 2*3/4
+    with pytest.raises(ConfigError, match="no all_gather measured"):
+        cpu.collective_time(Collective("all_gather", 2, 10**6, "forward"))
+
+
+def test_the_pipeline_s_step_is_its_schedule_simulated():
+    # two stages of 1 ms per forward and 2 ms per backward, 2 micro-batches in GPipe's order: stage 1 runs 1-3 ms
+    # forward and 3-7 ms backward, stage 0 waits for each of its gradients: 5-7 and 7-9 ms. 9 ms, idle 1 - 12 / 18
+    counts = []
+    for stage in (0, 1):
+        count = StepCount()
+        count.actions = [(stage, "F", 0), (stage, "F", 1), (stage, "B", 0), (stage, "B", 1)]
+        count.ops[("f", stage)] = mm(10**6, "forward", calls=2, action=f"{stage}F")
+        count.ops[("b", stage)] = mm(2 * 10**6, "backward", calls=2, action=f"{stage}B")
+        counts.append(count)
+    cpu = Profile("test cpu", "cpu", {1: Compute({"matmul": 1e9}, 1e9, 0.0)}, {"fp32": 1e9}, cores=2)
+    seconds, bubble, ranks = pipeline_time(counts, cpu, procs_per_node=2, ranks=[0, 1])
+    assert seconds == pytest.approx(9e-3) and bubble == pytest.approx(1 - 12 / 18)
+    assert [r.compute["forward"] + r.compute["backward"] for r in ranks] == pytest.approx([6e-3, 6e-3])
+    assert [r.bubble_s for r in ranks] == pytest.approx([3e-3, 3e-3])
+
+
+def test_a_step_predicted_end_to_end_from_planned_ranks():
+    from common.config import Config
+
+    # DDP on 2 processes of the test CPU: each rank 1 GFLOP at 1 GFLOP/s and a 1 MB all-reduce: 1.001 s a step
+    counts = {0: step(matmul_flops=10**9, collectives=[Collective("all_reduce", 2, 10**6, "backward")])}
+    found = predict(Config(strategy="ddp", batch_size=64), 2, counts, cpu_profile())
+    assert found.step_s == pytest.approx(1.001) and found.samples_per_s == pytest.approx(64 / 1.001)
+    assert found.exposed_s == pytest.approx(1e-3) and found.mfu > 0
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in PROFILES.glob("*.json")))
+def test_every_published_profile_loads_and_cites_a_source_for_its_numbers(name):
+    profile = load_profile(name)
+    assert profile.kind == "gpu" and profile.peak("bf16") > profile.peak("fp32") > 0
+    assert set(profile.links) == {"node", "network"}
+    assert {"peak_flops", "memory_bytes_per_s", "links.node", "links.network"} <= set(profile.sources)
+    assert all(value > 0 for value in profile.compute[1].flops.values())
+
+
+def test_a_profile_that_is_not_one_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"--profile: no profile 'tpu-v9'; use one of a100-sxm, h100-sxm"):
+        load_profile("tpu-v9")
+    broken = tmp_path / "mine.json"
+    broken.write_text("{ not json")
+    with pytest.raises(ConfigError, match=r"mine.json is not a machine profile \(not JSON"):
+        load_profile(str(broken))
+    broken.write_text(json.dumps({"name": "x", "kind": "gpu"}))
+    with pytest.raises(ConfigError, match=r"is not a machine profile \(KeyError: 'links'\)"):
+        load_profile(str(broken))
+    broken.write_text(json.dumps({"name": "x", "kind": "tpu"}))
+    with pytest.raises(ConfigError, match=r"is not a machine profile \(ValueError: kind 'tpu': cpu or gpu\)"):
+        load_profile(str(broken))
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--profile", "tpu-v9"], "error: --profile: no profile 'tpu-v9'"),
+        (
+            ["--variants", "ddp; fsdp x tp", "--world-sizes", "3"],
+            "error: --world-sizes: fsdp x tp cannot run on 3 ranks",
+        ),
+        (["--variants", "zero-3"], "error: --variants: no variant 'zero-3' for --model cnn"),
+    ],
+)
+@needs_torch(NEEDS_PLANNER)
+def test_the_planner_refuses_what_it_cannot_plan_in_one_line(flags, said, capsys):
+    from planner.__main__ import main
+
+    with pytest.raises(SystemExit) as ended:
+        main(["--model-size", "baby", *flags])
+    out, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if not line.startswith("planning ")]
+    assert ended.value.code == 2 and out == "" and len(errors) == 1 and errors[0].startswith(said), err
+
+
+def test_ranks_that_share_the_cores_share_them_only_while_busy():
+    # two ranks, one core: rank 0's forward (1 s) alone runs at full speed; then rank 0's second forward and rank 1's
+    # first run together at half speed each (2 s), then rank 1's second alone (1 s): 4 s, each busy 3 s
+    orders = [[(0, "F", 0), (0, "F", 1)], [(1, "F", 0), (1, "F", 1)]]
+    makespan, busy = simulate_sharing(orders, lambda stage, kind: 1.0, cores=1, threads=1)
+    assert makespan == pytest.approx(4.0) and busy == pytest.approx([3.0, 3.0])
+    assert simulate_sharing(orders, lambda stage, kind: 1.0, cores=2, threads=1)[0] == pytest.approx(3.0)
+
+
+def test_the_fit_recovers_the_rates_it_was_made_from():
+    from bench.machine import fit
+
+    # operators timed as 20 us + FLOPs / 50 GFLOP/s (matmuls) or + bytes / 10 GB/s (the rest)
+    rows = [("matmul", f, 0, 20e-6 + f / 50e9, 1) for f in (10**6, 10**7, 10**8)]
+    rows += [("memory", 0, b, 20e-6 + b / 10e9, 3) for b in (10**4, 10**6, 10**8)]
+    found = fit(rows)
+    assert found["flops"]["matmul"] == pytest.approx(50e9, rel=1e-6)
+    assert found["memory_bytes_per_s"] == pytest.approx(10e9, rel=1e-6)
+    assert found["op_overhead_s"] == pytest.approx(20e-6, rel=1e-6)
