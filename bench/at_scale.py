@@ -1,0 +1,203 @@
+"""The planner's time model on GPUs: its predictions set beside published measurements of systems whose model it can
+express, and what it says about 8 to 1,024 GPUs. Nothing is launched: every number is a plan (python -m planner's
+fake step, counted) timed on a published profile (planner/profiles/).
+
+    python -m bench.at_scale                      # runs/at_scale/at_scale.md (~10 CPU-minutes on 2 cores)
+    python -m bench.at_scale --only published     # just the comparison with the published measurements
+
+- **Published**: timm's training benchmark on one RTX 3090 (fp16 autocast, SGD, the largest batch that fit 24 GB;
+  results/benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv) for ViT-Ti/16, S/16, B/16, L/16; NVIDIA NeMo's ViT g/14
+  on 1 to 16 DGX nodes of 8 A100s or H100s (bf16, 64 images per GPU, no tensor or pipeline parallelism: data
+  parallel with a distributed optimizer, whose reduce-scatter and all-gather move what DDP's all-reduce does).
+- **At scale**, on H100: FSDP's exposed communication against the batch per GPU (where it hides), TP's exposed share,
+  and the bubble of each pipeline schedule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Sequence
+
+from bench.report import fmt, md_table
+
+TIMM = "huggingface/pytorch-image-models results/benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv"
+NEMO = "docs.nvidia.com/nemo-framework/user-guide/latest/MultimodalModels/VisionLanguageFoundation/Vit/Perf.html"
+# (what, profile, model size, world size, per-GPU batch, precision, optimizer, measured samples/s, source)
+PUBLISHED = [
+    *(
+        ("timm " + name, "rtx3090", size, 1, batch, "fp16", "sgd", speed, TIMM)
+        for name, size, batch, speed in (
+            ("vit_tiny_patch16_224", "ti16", 512, 2293.54),
+            ("vit_small_patch16_224", "s16", 384, 1052.92),
+            ("vit_base_patch16_224", "b16", 192, 390.86),
+            ("vit_large_patch16_224", "l16", 64, 117.08),
+        )
+    ),
+    *(
+        (f"NeMo ViT g/14, {nodes} DGX {gpu.upper()}", f"{gpu}-sxm", "g14", 8 * nodes, 64, "bf16", "adamw", speed, NEMO)
+        for gpu, speeds in (("a100", (693, 1347, 2642, 5454, 10644)), ("h100", (1428, 2846, 5737, 11222, 21561)))
+        for nodes, speed in zip((1, 2, 4, 8, 16), speeds)
+    ),
+]
+
+
+def published(rows_out: list[dict[str, Any]]) -> dict[str, Any]:
+    from common.config import Config
+    from planner.plan import time_config
+    from planner.timing import load_profile
+
+    for what, profile, size, world, batch, precision, optimizer, measured, source in PUBLISHED:
+        cfg = Config(strategy="ddp", model="vit", model_size=size, batch_size=batch * world, precision=precision)
+        step = time_config(replace(cfg, optimizer=optimizer, train_size=batch * world), world, load_profile(profile))
+        row = {"what": what, "profile": profile, "gpus": world, "per_gpu_batch": batch, "precision": precision}
+        row |= {"measured": measured, "predicted": step.samples_per_s, "error": step.samples_per_s / measured - 1}
+        row |= {"mfu_predicted": step.mfu, "exposed_s": step.exposed_s, "step_s": step.step_s, "source": source}
+        rows_out.append(row)
+        print(f"[at_scale] {json.dumps(row)}", file=sys.stderr, flush=True)
+    errors = [abs(r["error"]) for r in rows_out]
+    return {"median_abs_error": statistics.median(errors), "max_abs_error": max(errors)}
+
+
+def sweeps(model: str, size: str, worlds: Sequence[int], batches: Sequence[int]) -> dict[str, list[dict[str, Any]]]:
+    """On H100: FSDP (a unit per block, bf16) against the batch per GPU; TP x FSDP's exposed share; each pipeline
+    schedule's bubble (4 stages, 8 micro-batches)."""
+    from common.config import Config
+    from planner.plan import time_config, variant_config
+    from planner.timing import load_profile
+    from runner.layout import would_start
+
+    h100 = load_profile("h100-sxm")
+    found: dict[str, list[dict[str, Any]]] = {"fsdp": [], "tp": [], "pipeline": []}
+    for world in worlds:
+        for batch in batches:
+            base = Config(model=model, model_size=size, precision="bf16", batch_size=batch * world)
+            variant = "fsdp full, a unit per block" if model == "vit" else "fsdp full, a unit per layer"
+            if cfg := variant_config(variant, base, world):
+                found["fsdp"].append(_row(world, batch, time_config(cfg, world, h100)))
+        base = Config(model=model, model_size=size, precision="bf16", batch_size=batches[-1] * world)
+        if cfg := variant_config("fsdp x tp", base, world):
+            found["tp"].append({**_row(world, batches[-1], time_config(cfg, world, h100)), "tp": world // cfg.dp})
+    for schedule, per_rank in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zbv", 2)):
+        base = Config(model=model, model_size=size, precision="bf16", batch_size=8 * batches[-1])
+        cfg = replace(base, strategy="pippy", schedule=schedule, stages_per_rank=per_rank, n_microbatches=8, dp=1)
+        if not would_start(cfg, 4, planned=True):
+            continue
+        step = time_config(cfg, 4, h100)
+        found["pipeline"].append({**_row(4, batches[-1] * 2, step), "schedule": schedule, "bubble": step.bubble})
+    return found
+
+
+def _row(world: int, batch: int, step: Any) -> dict[str, Any]:
+    share = step.exposed_s / step.step_s if step.step_s else 0.0
+    return {
+        "gpus": world,
+        "per_gpu_batch": batch,
+        "step_s": step.step_s,
+        "samples_per_s": step.samples_per_s,
+        "mfu": step.mfu,
+        "communication_s": step.communication_s,
+        "exposed_s": step.exposed_s,
+        "exposed_share": share,
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [f"`{report['command']}`, torch {report['torch']}.", ""]
+    if rows := report.get("published"):
+        s = report["published_summary"]
+        lines += [
+            "## Predicted against published measurements",
+            "",
+            f"{len(rows)} comparisons: median |error| {s['median_abs_error']:.0%}, largest {s['max_abs_error']:.0%}.",
+            "",
+            *md_table(
+                ["system", "GPUs", "batch per GPU", "measured samples/s", "predicted", "error", "predicted MFU"],
+                [
+                    [
+                        r["what"],
+                        r["gpus"],
+                        r["per_gpu_batch"],
+                        fmt(r["measured"], ",.0f"),
+                        fmt(r["predicted"], ",.0f"),
+                        fmt(r["error"], "+.0%"),
+                        fmt(r["mfu_predicted"], ".0%"),
+                    ]
+                    for r in rows
+                ],
+            ),
+            "",
+        ]
+    for name, title in (("fsdp", "FSDP against the batch per GPU"), ("tp", "FSDP x TP"), ("pipeline", "Schedules")):
+        if rows := report.get("sweeps", {}).get(name):
+            extra = {"tp": ["TP degree"], "pipeline": ["schedule", "bubble"]}.get(name, [])
+            lines += [f"## {title}", ""]
+            lines += md_table(
+                [
+                    "GPUs",
+                    "batch per GPU",
+                    "step ms",
+                    "samples/s",
+                    "MFU",
+                    "communication ms",
+                    "exposed ms",
+                    "exposed",
+                    *extra,
+                ],
+                [
+                    [
+                        r["gpus"],
+                        r["per_gpu_batch"],
+                        fmt(r["step_s"], ".1f", 1e3),
+                        fmt(r["samples_per_s"], ",.0f"),
+                        fmt(r["mfu"], ".0%"),
+                        fmt(r["communication_s"], ".1f", 1e3),
+                        fmt(r["exposed_s"], ".1f", 1e3),
+                        fmt(r["exposed_share"], ".0%"),
+                        *([r["tp"]] if name == "tp" else []),
+                        *([r["schedule"], fmt(r["bubble"], ".0%")] if name == "pipeline" else []),
+                    ]
+                    for r in rows
+                ],
+            )
+            lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.at_scale", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=("published", "sweeps"), help="one half only")
+    parser.add_argument("--model", default="vit:g14", help="model:size of the sweeps")
+    parser.add_argument("--worlds", default="8,64,1024", help="GPU counts of the sweeps")
+    parser.add_argument("--batches", default="4,16,64", help="per-GPU batches of the sweeps")
+    parser.add_argument("--out", default="runs/at_scale")
+    args = parser.parse_args(argv)
+    from common.versions import NEEDS_PLANNER
+    from runner.entry import require_torch
+
+    require_torch(NEEDS_PLANNER, "python -m bench.at_scale")
+    import torch
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = " ".join(["python -m bench.at_scale", *(argv if argv is not None else sys.argv[1:])])
+    report: dict[str, Any] = {"command": command, "torch": torch.__version__}
+    if args.only != "sweeps":
+        report["published"] = []
+        report["published_summary"] = published(report["published"])
+    if args.only != "published":
+        model, _, size = args.model.partition(":")
+        worlds, batches = ([int(n) for n in text.split(",")] for text in (args.worlds, args.batches))
+        report["sweeps"] = sweeps(model, size, worlds, batches)
+    (out / "at_scale.json").write_text(json.dumps(report, indent=1))
+    (out / "at_scale.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

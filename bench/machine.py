@@ -1,0 +1,325 @@
+"""This machine's profile for the planner's time model (planner/timing.py), measured:
+
+    python -m bench.machine                       # runs/machine/profile.json (~5 min on 2 cores)
+    python -m planner --model-size small --profile runs/machine/profile.json
+
+- **Compute**, on the models' own operators: the planner counts one training step of each strategy for the models
+  the suite trains (planner/count.py records every operator with its shapes), and each distinct operator is run
+  here on real tensors at every thread count the runners give a process (cores / processes), timed in as many
+  processes at once as such a run starts (they share memory bandwidth and caches as the run's processes do). Per thread
+  count a least-squares fit of `overhead + FLOPs / FLOP/s` (matmuls, convolutions, attention: a rate each) and
+  `overhead + bytes / bandwidth` (the rest) over those operators, each weighted by its calls in the steps;
+- **Collectives**: `bench.collectives` (nccl-tests' definitions) at every group size the runners start, 1 KiB to
+  64 MiB.
+- **Overhead per operator call**, of the real eager step: a training step of BabyCNN and of the ViT at a batch of
+  2 timed, less its operators' times alone, over the calls that run a kernel (Python, modules, autograd).
+- **The peak** for MFU: the fp32 and bf16 matmul peak on all cores (bench/ceilings.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import queue
+import statistics
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any, Sequence
+
+from bench.launches import CORES, ROOT, cpu_name, launch_env, torchrun
+
+# The steps whose operators are timed: the models, strategies and process counts bench.time_model runs (every
+# shape of operator those runs call: a rank's share of the batch, a pipeline's micro-batches, a TP rank's split)
+MODELS = ({}, {"model_size": "small"}, {"model": "vit"})
+STRATEGIES = {"ddp": {}, "fsdp": {"shard_units": "blocks"}, "tp": {}, "pippy": {"n_microbatches": 4}}
+WORLDS = (1, 2, 4)
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
+MIN_TIMED_S, MIN_REPEATS = 0.05, 5
+
+
+def counted_ops(quick: bool = False) -> dict[str, Any]:
+    """{operator_key: Op}: every distinct kind of operator call of the steps, with the times it runs in them
+    (calls), planned on every rank that runs different ones (planner/plan.py: ranks_to_measure)."""
+    from dataclasses import replace
+
+    from common.config import Config
+    from planner.measure import plan_rank
+    from planner.plan import ranks_to_measure
+    from planner.timing import operator_key
+    from runner.layout import would_start
+
+    found: dict[str, Any] = {}
+    for flags in MODELS[:1] if quick else MODELS:
+        for strategy, own in STRATEGIES.items():
+            for world in (1, 2) if quick else WORLDS:
+                cfg = replace(Config(strategy=strategy, **flags, **own), train_size=4096)
+                if not would_start(cfg, world):
+                    continue
+                for rank in ranks_to_measure(cfg, world):
+                    for op in plan_rank(cfg, world, rank, count=True).count.ops.values():
+                        key = operator_key(op)
+                        if key in found:
+                            found[key].calls += op.calls
+                        else:
+                            found[key] = op
+    return found
+
+
+def time_op(op: Any) -> float | None:
+    """Median seconds of one call of `op` on real tensors (random floats, zero indices), or None where it cannot
+    run outside its step (FSDP's storage resizes, a view of a freed buffer)."""
+    import torch
+    from torch.utils._pytree import tree_map_only
+
+    from planner.count import TensorSpec
+
+    def real(spec: TensorSpec) -> torch.Tensor:
+        tensor = torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype)
+        return tensor.normal_() if tensor.is_floating_point() else tensor.zero_()
+
+    func, args, kwargs = op.call
+    try:
+        args, kwargs = tree_map_only(TensorSpec, real, (args, kwargs))
+        func(*args, **kwargs)
+        times, started = [], time.perf_counter()
+        while len(times) < MIN_REPEATS or time.perf_counter() - started < MIN_TIMED_S:
+            begin = time.perf_counter()
+            func(*args, **kwargs)
+            times.append(time.perf_counter() - begin)
+    except Exception:  # noqa: BLE001  (an operator that needs its step's state: left out, counted below)
+        return None
+    return statistics.median(times)
+
+
+def _nonnegative_least_squares(a: Any, b: Any) -> Any:
+    """argmin |a x - b| over x >= 0, for the few columns here: the best of the unconstrained fits on every subset of
+    columns whose solution is non-negative (the others held at 0)."""
+    import itertools
+
+    import numpy as np
+
+    scale = np.maximum(np.abs(a).max(axis=0), 1e-300)
+    a = a / scale
+    best, best_error = np.zeros(a.shape[1]), float(np.sum(b**2))
+    for k in range(1, a.shape[1] + 1):
+        for subset in itertools.combinations(range(a.shape[1]), k):
+            x, *_ = np.linalg.lstsq(a[:, subset], b, rcond=None)
+            if (x >= 0).all() and (error := float(np.sum((a[:, subset] @ x - b) ** 2))) < best_error:
+                best, best_error = np.zeros(a.shape[1]), error
+                best[list(subset)] = x
+    return best / scale
+
+
+def fit(rows: list[tuple[str, int, int, float, int]]) -> dict[str, Any]:
+    """From (class, FLOPs, bytes, seconds, calls in the steps) per operator: the overhead per call, FLOP/s per
+    class and the memory bandwidth minimising the squared error of each operator's time weighted by its calls
+    (so the operators a step spends its time in decide), all non-negative."""
+    import numpy as np
+
+    classes = sorted({c for c, f, *_ in rows if c != "memory" and f})
+    columns = ["overhead", *classes, "memory"]
+    a = np.zeros((len(rows), len(columns)))
+    b = np.zeros(len(rows))
+    for i, (cls, flops, nbytes, seconds, calls) in enumerate(rows):
+        weight = calls**0.5
+        a[i, 0] = weight
+        if cls != "memory" and flops:
+            a[i, columns.index(cls)] = flops * weight
+        else:
+            a[i, -1] = nbytes * weight
+        b[i] = seconds * weight
+    solution = _nonnegative_least_squares(a, b)
+    inverse = dict(zip(columns, solution))
+    rate = lambda x: 1 / x if x > 0 else float("inf")  # noqa: E731
+    predicted = a @ solution / np.maximum(a[:, 0], 1e-30)
+    measured = b / np.maximum(a[:, 0], 1e-30)
+    calls = np.array([r[4] for r in rows])
+    return {
+        "flops": {c: rate(inverse[c]) for c in classes},
+        "memory_bytes_per_s": rate(inverse["memory"]),
+        "op_overhead_s": float(inverse["overhead"]),
+        "fit": {
+            "operators": len(rows),
+            "step_seconds_measured": float((measured * calls).sum()),
+            "step_seconds_fitted": float((predicted * calls).sum()),
+        },
+    }
+
+
+def _eager_step(cfg: Any, model: Any, optimizer: Any) -> None:
+    """One training step as the scripts run it, on 2 samples, in this process."""
+    import torch.nn.functional as F
+
+    from planner.measure import _batch
+
+    optimizer.zero_grad(set_to_none=True)
+    images, labels = _batch(cfg, 2)
+    F.cross_entropy(model(images), labels).backward()
+    optimizer.step()
+
+
+def _eager_steps() -> list[tuple[Any, Any]]:
+    """(a step function, its counted operators) for BabyCNN and the ViT at a batch of 2, as the scripts train them, in
+    this process: where the work is small, what an eager step costs besides its operators shows."""
+    from common.config import Config
+    from common.training import build_optimizer
+    from planner.count import StepCounter
+    from planner.measure import _model
+
+    steps = []
+    for flags in ({}, {"model": "vit"}):
+        cfg = Config(**flags)
+        model = _model(cfg)
+        step = functools.partial(_eager_step, cfg, model, build_optimizer(model.parameters(), cfg))
+        for _ in range(3):
+            step()
+        with StepCounter(model) as counter:
+            step()
+        steps.append((step, counter.count.ops))
+    return steps
+
+
+def eager_overhead(steps: list[tuple[Any, Any]], table: dict[str, float]) -> float:
+    """Seconds per operator call that a real eager training step spends beyond its operators' own time (Python, the
+    modules' calls, autograd's bookkeeping): each of `steps` timed, less the time its operators took when timed alone
+    (`table`), over the calls of those that run a kernel (planner/timing.py: VIEWS)."""
+    from planner.timing import VIEWS, operator_key
+
+    per_call = []
+    for step, ops in steps:
+        alone = sum(op.calls * table.get(operator_key(op), 0.0) for op in ops.values())
+        times = []
+        for _ in range(20):
+            started = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - started)
+        kernels = sum(op.calls for op in ops.values() if op.name not in VIEWS)  # (a view's cost is its timed one)
+        per_call.append((statistics.median(times) - alone) / kernels)
+    return max(0.0, statistics.fmean(per_call))
+
+
+def _measure_at(threads: int, quick: bool, ready: Any, results: Any, index: int) -> None:
+    """In one of the processes that together load the cores as the runners do: count the steps' operators (and those
+    of two small eager steps), wait for the others, then time each operator at `threads` threads, fit them, and time
+    the eager steps for the overhead per operator; the result goes to `results` as (index, fit)."""
+    import torch
+
+    from planner.timing import op_class, operator_key
+
+    torch.set_num_threads(threads)
+    ops = counted_ops(quick)
+    eager = _eager_steps()
+    for counted in (ops for _, ops in eager):
+        for op in counted.values():
+            ops.setdefault(operator_key(op), op)
+    ready.wait()  # all processes time together
+    rows, skipped, table = [], set(), {}
+    for key, op in ops.items():
+        seconds = time_op(op)
+        if seconds is None:
+            skipped.add(op.name)
+            continue
+        rows.append((op_class(op.name), op.flops, op.bytes, seconds, op.calls))
+        table[key] = seconds
+    found = fit(rows)
+    found["operators"] = table
+    found["alone_overhead_s"] = found["op_overhead_s"]  # (what the fit's rates add for an operator not in the table)
+    found["op_overhead_s"] = eager_overhead(eager, table)  # what the training steps pay per operator
+    found["fit"]["not_timed"] = sorted(skipped)
+    results.put((index, found))
+
+
+def measure_compute(threads: Sequence[int], *, quick: bool = False) -> dict[int, dict[str, Any]]:
+    """{threads: the fit} over the steps' operators, timed at each thread count in as many processes at once as the
+    runners start with that many threads each (cores / threads): processes that share the machine share its memory
+    bandwidth and caches, so one process alone would time them faster than a run goes. Forked before this process
+    has run autograd or OpenMP (neither survives a fork); each counts the operators itself."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    found = {}
+    for t in threads:
+        copies = max(1, CORES // t)
+        ready, results = context.Barrier(copies), context.Queue()
+        workers = [context.Process(target=_measure_at, args=(t, quick, ready, results, i)) for i in range(copies)]
+        for worker in workers:
+            worker.start()
+        fits = {}
+        while len(fits) < copies:  # a worker that dies (out of memory, a signal) says so instead of hanging here
+            try:
+                fits.update([results.get(timeout=10)])
+            except queue.Empty:
+                if dead := [w.exitcode for w in workers if w.exitcode not in (None, 0)]:
+                    raise RuntimeError(f"a measuring process ended with exit code {dead[0]}") from None
+        for worker in workers:
+            worker.join()
+        found[t] = fits[0]  # (the others ran alongside it)
+        summary = {k: v for k, v in found[t].items() if k not in ("operators", "fit")}
+        print(f"compute on {t} thread(s) a process: {summary}", file=sys.stderr, flush=True)
+    return found
+
+
+def measure_collectives(group_sizes: Sequence[int], out: Path, *, quick: bool) -> dict[int, list[dict[str, Any]]]:
+    """bench.collectives' rows at each group size, launched as a user would (torchrun)."""
+    found = {}
+    for n in group_sizes:
+        folder = out / f"collectives-{n}"
+        sizes = ["--min-bytes", "1K", "--max-bytes", "1M" if quick else "64M"]
+        command = [*torchrun(n), "-m", "bench.collectives", "--out", str(folder), "--ops", ",".join(OPS), *sizes]
+        subprocess.run(command, cwd=ROOT, env=launch_env(n), check=True, stdout=subprocess.DEVNULL)
+        found[n] = json.loads((folder / "collectives.json").read_text())["results"]
+    return found
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.machine", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="runs/machine", help="folder for profile.json")
+    parser.add_argument("--procs", default="1,2,4", help="the process counts the runs will use (threads, groups)")
+    parser.add_argument("--quick", action="store_true", help="BabyCNN's operators, collectives to 1 MiB: a smoke test")
+    args = parser.parse_args(argv)
+    import torch
+
+    from bench.ceilings import matmul_peak_gflops
+
+    procs = sorted({int(n) for n in args.procs.split(",")})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    threads = sorted({max(1, CORES // n) for n in procs})
+    compute = measure_compute(threads, quick=args.quick)
+    side = 1024 if args.quick else 2048
+    peak = {  # all cores' dense matmul peak by dtype: what MFU is against
+        dtype: 1e9 * matmul_peak_gflops(dtype, CORES, n=side, repeats=3, clock=time.perf_counter)
+        for dtype in ("fp32", "bf16")
+    }
+    collectives = measure_collectives([n for n in procs if n > 1], out, quick=args.quick)
+    profile = {
+        "name": f"{cpu_name()}, {CORES} cores (measured {date.today()})",
+        "kind": "cpu",
+        "cores": CORES,
+        "peak_flops": peak,
+        "compute": {str(t): c for t, c in compute.items()},
+        "collectives": {str(n): rows for n, rows in collectives.items()},
+        "overlap": False,
+        "sources": {
+            "compute": "python -m bench.machine: the suite's models' operators, timed here (bench/machine.py)",
+            "collectives": "python -m bench.collectives at each group size, 1 KiB to 64 MiB",
+            "peak_flops": "a 2048^3 matmul on all cores, fp32 and bf16 (bench/ceilings.py)",
+            "overlap": "gloo reduces on the cores that compute: nothing hides (docs/scale.md, Time)",
+        },
+        "measured": {
+            "command": " ".join(["python -m bench.machine", *(argv or sys.argv[1:])]),
+            "torch": torch.__version__,
+        },
+    }
+    path = out / "profile.json"
+    path.write_text(json.dumps(profile, indent=1))
+    print(f"profile: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
