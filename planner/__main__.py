@@ -20,7 +20,6 @@ import json
 import re
 import sys
 import time
-from dataclasses import replace
 from typing import Sequence
 
 from common.config import CHOICES, MODEL_SIZES, MODELS, OPTIMIZERS, Config
@@ -88,8 +87,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for variant in variants:
         for n in world_sizes:
             batch = args.per_rank_batch * n
-            base = Config(model=args.model, model_size=args.model_size, optimizer=args.optimizer, batch_size=batch)
-            base = replace(base, precision=args.precision)
+            base = Config(
+                model=args.model,
+                model_size=args.model_size,
+                optimizer=args.optimizer,
+                batch_size=batch,
+                precision=args.precision,
+            )
             print(f"planning {variant} on {n} ranks", file=sys.stderr, flush=True)
             if result := plan(variant, base, n, profile=profile):
                 plans.append(result)

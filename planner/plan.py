@@ -188,9 +188,9 @@ def plan(variant: str, base: Config, world_size: int, *, profile: Profile | None
         unit_bytes=unit_bytes(cfg, world_size),
         model=cfg.model,
     )
-    count = profile is not None
-    result.ranks = [plan_rank(cfg, world_size, rank, count=count) for rank in ranks_to_measure(cfg, world_size)]
+    ranks = ranks_to_measure(cfg, world_size)
+    result.ranks = [plan_rank(cfg, world_size, rank, count=profile is not None) for rank in ranks]
     if profile is not None:
-        counts = {rank: r.count for rank, r in zip(ranks_to_measure(cfg, world_size), result.ranks) if r.count}
+        counts = {rank: r.count for rank, r in zip(ranks, result.ranks) if r.count}
         result.time = predict(cfg, world_size, counts, profile)
     return result
