@@ -1,6 +1,6 @@
 """This machine's profile for the planner's time model (planner/timing.py), measured:
 
-    python -m bench.machine                       # runs/machine/profile.json (~5 min on 2 cores)
+    python -m bench.machine                       # runs/machine/profile.json (~14 min on 2 cores)
     python -m planner --model-size small --profile runs/machine/profile.json
 
 - **Compute**, on the models' own operators: the planner counts one training step of each strategy for the models
@@ -12,7 +12,11 @@
 - **Collectives**: `bench.collectives` (nccl-tests' definitions) at every group size the runners start, 1 KiB to
   64 MiB.
 - **Overhead per operator call**, of the real eager step: a training step of BabyCNN and of the ViT at a batch of
-  2 timed, less its operators' times alone, over the calls that run a kernel (Python, modules, autograd).
+  2 timed, less its operators' times alone, over the calls that run a kernel (Python, modules, autograd); the same
+  steps under TP and FSDP (a unit per block) on a world of one process, for what a DTensor call and an FSDP unit
+  cost beyond their operators.
+- **A speed probe** (`speed_probe`), timed before and after the operators by one process alone: bench.time_model
+  times it again at each launch, and predicts each launch at the machine's speed then (a VM's drifts).
 - **The peak** for MFU: the fp32 and bf16 matmul peak on all cores (bench/ceilings.py).
 """
 
@@ -39,6 +43,7 @@ STRATEGIES = {"ddp": {}, "fsdp": {"shard_units": "blocks"}, "tp": {}, "pippy": {
 WORLDS = (1, 2, 4)
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 MIN_TIMED_S, MIN_REPEATS = 0.05, 5
+PROBE_S = 1.0
 
 
 def counted_ops(quick: bool = False) -> dict[str, Any]:
@@ -162,6 +167,29 @@ def _eager_step(cfg: Any, model: Any, optimizer: Any) -> None:
     optimizer.step()
 
 
+def speed_probe(seconds: float = PROBE_S) -> float:
+    """Seconds one call of a fixed mix of the models' kinds of work takes at this process's threads (a convolution, a
+    matmul, an elementwise pass; the median over `seconds`): how fast the machine runs now. The profile holds it as
+    measured beside its operators; bench.time_model times it again at each launch, as a VM's speed drifts."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    images, kernel = torch.randn(32, 32, 28, 28, generator=generator), torch.randn(32, 32, 3, 3, generator=generator)
+    a, b = torch.randn(256, 256, generator=generator), torch.randn(256, 256, generator=generator)
+
+    def work() -> None:
+        torch.nn.functional.gelu(torch.nn.functional.conv2d(images, kernel, padding=1)).sum()
+        a @ b
+
+    work()
+    times, started = [], time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        begin = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times)
+
+
 def _eager_steps() -> list[tuple[Any, Any]]:
     """(a step function, its counted operators) for BabyCNN and the ViT at a batch of 2, as the scripts train them, in
     this process: where the work is small, what an eager step costs besides its operators shows."""
@@ -183,6 +211,69 @@ def _eager_steps() -> list[tuple[Any, Any]]:
     return steps
 
 
+def _wrapped_steps() -> list[tuple[Any, Any]]:
+    """(a step function, its count) of BabyCNN and the ViT at a batch of 2 under TP and FSDP (a unit per block) on a
+    world of one process, as train_tp.py and train_fsdp.py wrap them: what DTensor's calls and FSDP's units cost
+    besides their operators. A gloo group of this process alone (forked measuring processes: one each)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from common.config import Config
+    from common.training import build_optimizer
+    from planner.count import StepCounter
+    from planner.measure import _model
+    from train_fsdp import apply_fsdp, fsdp_mesh
+    from train_tp import apply_tp
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    steps = []
+    for flags in ({}, {"model": "vit"}):
+        cfg = Config(**flags)
+        tp = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))["tp"]
+        plain = _model(cfg)
+        for model in (
+            apply_tp(plain, tp, plain.tp_plan(False)),
+            apply_fsdp((fsdp := _model(cfg)), fsdp_mesh("cpu", 1), units=fsdp.blocks()),
+        ):
+            step = functools.partial(_eager_step, cfg, model, build_optimizer(model.parameters(), cfg))
+            for _ in range(3):
+                step()
+            with StepCounter(model) as counter:
+                step()
+            steps.append((step, counter.count))
+    return steps
+
+
+def _step_seconds(step: Any, repeats: int = 20) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def wrapped_overheads(
+    steps: list[tuple[float, Any]], table: dict[str, float], op_overhead_s: float
+) -> dict[str, float]:
+    """{"dtensor_overhead_s", "unit_overhead_s"}: what wrapped steps ((seconds, count) each: `_wrapped_steps`,
+    timed) spend beyond their operators (their time alone from `table`, plus `op_overhead_s` a kernel's call): TP's
+    per DTensor call, FSDP's per unit less its few DTensor calls' (the optimizer's on sharded parameters)."""
+    from planner.timing import VIEWS, operator_key
+
+    beyond = []
+    for seconds, count in steps:
+        alone = sum(
+            op.calls * (table.get(operator_key(op), 0.0) + (op_overhead_s if op.name not in VIEWS else 0.0))
+            for op in count.ops.values()
+        )
+        beyond.append((seconds - alone, sum(count.dtensor_calls.values()), count.fsdp_units))
+    dtensor = max(0.0, statistics.fmean(extra / calls for extra, calls, units in beyond if not units))
+    unit = statistics.fmean(max(0.0, extra - calls * dtensor) / units for extra, calls, units in beyond if units)
+    return {"dtensor_overhead_s": dtensor, "unit_overhead_s": unit}
+
+
 def eager_overhead(steps: list[tuple[Any, Any]], table: dict[str, float]) -> float:
     """Seconds per operator call that a real eager training step spends beyond its operators' own time (Python, the
     modules' calls, autograd's bookkeeping): each of `steps` timed, less the time its operators took when timed alone
@@ -192,13 +283,8 @@ def eager_overhead(steps: list[tuple[Any, Any]], table: dict[str, float]) -> flo
     per_call = []
     for step, ops in steps:
         alone = sum(op.calls * table.get(operator_key(op), 0.0) for op in ops.values())
-        times = []
-        for _ in range(20):
-            started = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - started)
         kernels = sum(op.calls for op in ops.values() if op.name not in VIEWS)  # (a view's cost is its timed one)
-        per_call.append((statistics.median(times) - alone) / kernels)
+        per_call.append((_step_seconds(step) - alone) / kernels)
     return max(0.0, statistics.fmean(per_call))
 
 
@@ -213,10 +299,11 @@ def _measure_at(threads: int, quick: bool, ready: Any, results: Any, index: int)
     torch.set_num_threads(threads)
     ops = counted_ops(quick)
     eager = _eager_steps()
-    for counted in (ops for _, ops in eager):
+    wrapped = _wrapped_steps()
+    for counted in [ops for _, ops in eager] + [count.ops for _, count in wrapped]:
         for op in counted.values():
             ops.setdefault(operator_key(op), op)
-    ready.wait()  # all processes time together
+    probes = [_probe_alone(ready, index)]  # the machine's speed now, a process alone: as bench.time_model times it
     rows, skipped, table = [], set(), {}
     for key, op in ops.items():
         seconds = time_op(op)
@@ -229,8 +316,20 @@ def _measure_at(threads: int, quick: bool, ready: Any, results: Any, index: int)
     found["operators"] = table
     found["alone_overhead_s"] = found["op_overhead_s"]  # (what the fit's rates add for an operator not in the table)
     found["op_overhead_s"] = eager_overhead(eager, table)  # what the training steps pay per operator
+    timed = [(_step_seconds(step), count) for step, count in wrapped]
+    found.update(wrapped_overheads(timed, table, found["op_overhead_s"]))
     found["fit"]["not_timed"] = sorted(skipped)
+    probes.append(_probe_alone(ready, index))
+    found["probe_s"] = statistics.fmean(probes) if index == 0 else None
     results.put((index, found))
+
+
+def _probe_alone(ready: Any, index: int) -> float | None:
+    """speed_probe in the first measuring process while the others wait, then all go on together."""
+    ready.wait()
+    seconds = speed_probe() if index == 0 else None
+    ready.wait()  # all processes time together after it
+    return seconds
 
 
 def measure_compute(threads: Sequence[int], *, quick: bool = False) -> dict[int, dict[str, Any]]:

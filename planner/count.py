@@ -8,7 +8,8 @@ the autograd node that runs it (each module tags its nodes as its forward return
 track of a module whose output needs no node of its own, such as dropout at p = 0).
 
 A DTensor's operator is counted as the operator its local shards run (the mode declines the DTensor and sees what
-DTensor dispatches), so a TP rank's FLOPs are its share and its collectives those DTensor issues; what DTensor runs
+DTensor dispatches), so a TP rank's FLOPs are its share and its collectives those DTensor issues, and the DTensor
+call itself apart (`dtensor_calls`: its dispatch in Python costs time of its own); what DTensor runs
 on fake tensors of its own to learn an output's shape (a convolution's, at every call) is not counted. The phase is
 backward while autograd runs (hooks included: DDP's buckets, FSDP's reduce-scatters), optimizer where the step says
 so, else forward. planner/timing.py turns a count into time; docs/scale.md, "Time", says how.
@@ -115,6 +116,10 @@ class StepCount:
     collectives: list[Collective] = field(default_factory=list)
     module_flops: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # by the innermost module
     actions: list[tuple[int, str, int]] = field(default_factory=list)  # a pipeline's (stage, kind, micro-batch)
+    # DTensor operator calls by phase (and pipeline action): each pays DTensor's dispatch in Python besides the
+    # operators its shards run (TP's layers; FSDP's and TP's optimizer and gradient norm on sharded parameters)
+    dtensor_calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    fsdp_units: int = 0  # FSDP's units in the counted model: each runs its hooks in Python, forward and backward
 
     def flops(self, phase: str | None = None) -> int:
         return sum(op.flops * op.calls for op in self.ops.values() if phase in (None, op.phase))
@@ -136,6 +141,8 @@ class StepCount:
             "collectives": [c.__dict__ for c in self.collectives],
             "module_flops": dict(self.module_flops),
             "actions": self.actions,
+            "dtensor_calls": {"/".join(filter(None, k)): n for k, n in self.dtensor_calls.items()},
+            "fsdp_units": self.fsdp_units,
         }
 
 
@@ -169,6 +176,7 @@ class StepCounter(TorchDispatchMode):
         self.count = StepCount()
         self._phase: str | None = None
         self._action = ""
+        self._model = model
         self._names = {id(m): name or "model" for name, m in model.named_modules()} if model is not None else {}
         self._stack: list[str] = []
         self._hooks: list[Any] = []
@@ -193,6 +201,10 @@ class StepCounter(TorchDispatchMode):
                 nodes += [n for n, _ in node.next_functions]
 
         self._hooks = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+        if self._model is not None:
+            from torch.distributed.fsdp import FSDPModule
+
+            self.count.fsdp_units = sum(isinstance(m, FSDPModule) for m in self._model.modules())
         self._unpatch = self._not_counting_dtensor_shape_runs()
         return super().__enter__()
 
@@ -256,6 +268,9 @@ class StepCounter(TorchDispatchMode):
         from torch.distributed.tensor import DTensor
 
         if any(issubclass(t, DTensor) for t in types):
+            if not self._paused:
+                phase = self._phase or ("backward" if torch._C._current_graph_task_id() != -1 else "forward")
+                self.count.dtensor_calls[phase, self._action] += 1
             return NotImplemented  # DTensor runs it on its local shards, which come back through here
         kwargs = kwargs or {}
         out = func(*args, **kwargs)

@@ -9,6 +9,7 @@ from typing import Any
 from common.config import Config
 from common.errors import ConfigError
 from common.model_sizes import blocks, layers, max_stages, parameter_count, tp_degree, tp_fsdp_units, tp_layer_params
+from planner.count import StepCount
 from planner.measure import RankMemory, plan_rank
 from planner.predict import state_bytes_theory, tp_state_bytes_theory
 from planner.timing import Profile, StepTime, predict
@@ -164,10 +165,12 @@ def why_not(variant: str, base: Config, world_size: int) -> str:
 
 def time_config(cfg: Config, world_size: int, profile: Profile) -> StepTime:
     """The step of `cfg` on `world_size` ranks on `profile`'s machine, from its planned ranks' counted steps."""
-    ranks = ranks_to_measure(cfg, world_size)
-    return predict(
-        cfg, world_size, {rank: plan_rank(cfg, world_size, rank, count=True).count for rank in ranks}, profile
-    )
+    return predict(cfg, world_size, counted_steps(cfg, world_size), profile)
+
+
+def counted_steps(cfg: Config, world_size: int) -> dict[int, StepCount]:
+    """{rank: its counted step} for the ranks of `cfg` on `world_size` that run different steps."""
+    return {rank: plan_rank(cfg, world_size, rank, count=True).count for rank in ranks_to_measure(cfg, world_size)}
 
 
 def plan(variant: str, base: Config, world_size: int, *, profile: Profile | None = None) -> Plan | None:

@@ -5,7 +5,8 @@ by `python -m bench.machine`). docs/scale.md, "Time", says how to read it.
 - **Compute**: every operator the step ran, `calls x (work + overhead)`: its work as the profile timed that very
   call, else `max(FLOPs / achievable FLOP/s, bytes / memory bandwidth)` at its class's rate (a matmul, a
   convolution, attention); its overhead what an eager call costs besides (on a GPU the host's launch, hidden by
-  work that takes longer). On a CPU, ranks that share the cores more than once (4 processes on 2) get their share.
+  work that takes longer); each DTensor call's dispatch and each FSDP unit's hooks, where the profile measured
+  them. On a CPU, ranks that share the cores more than once (4 processes on 2) get their share.
 - **Communication**: every collective at its size on the links its group spans: on a GPU the profile's bus
   bandwidth (nccl-tests' definition) within a node or across the network, plus a latency per call; on this machine
   the time measured for that collective, size and group (bench.collectives' table, interpolated).
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,22 @@ class Compute:
     launch_overlaps: bool = False
     operators: dict[str, float] = field(default_factory=dict)  # operator_key -> seconds, as this machine timed them
     alone_overhead_s: float = 0.0  # what timing an operator alone cost besides its work (the fit's constant)
+    dtensor_overhead_s: float = 0.0  # a DTensor call's dispatch in Python, besides its shards' operators
+    unit_overhead_s: float = 0.0  # an FSDP unit's hooks in Python, a step (forward and backward)
+
+    def at_speed(self, factor: float) -> Compute:
+        """The same machine running `factor` times slower (a VM's speed drifts: bench.time_model times a probe at
+        each launch against the profile's, bench/machine.py: speed_probe)."""
+        return replace(
+            self,
+            flops={k: v / factor for k, v in self.flops.items()},
+            memory_bytes_per_s=self.memory_bytes_per_s / factor,
+            op_overhead_s=self.op_overhead_s * factor,
+            operators={k: v * factor for k, v in self.operators.items()},
+            alone_overhead_s=self.alone_overhead_s * factor,
+            dtensor_overhead_s=self.dtensor_overhead_s * factor,
+            unit_overhead_s=self.unit_overhead_s * factor,
+        )
 
     def op_parts(self, op: Op) -> tuple[float, float]:
         """(one call's work in seconds, what the call adds besides: its overhead, or on a GPU the part of the launch
@@ -118,6 +135,11 @@ class Profile:
     collectives: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     overlap: bool = False
     sources: dict[str, str] = field(default_factory=dict)
+    probe_s: dict[int, float] = field(default_factory=dict)  # threads -> bench.machine's speed probe, as profiled
+
+    def at_speed(self, factor: float) -> Profile:
+        """This machine computing `factor` times slower than profiled (its collectives as measured)."""
+        return replace(self, compute={t: c.at_speed(factor) for t, c in self.compute.items()})
 
     def peak(self, precision: str) -> float:
         """The dense peak FLOP/s MFU is against: the run's dtype's, else the profile's fp32 one."""
@@ -199,6 +221,8 @@ def load_profile(name: str) -> Profile:
                 gpu,
                 c.get("operators", {}),
                 float(c.get("alone_overhead_s", 0.0)),
+                float(c.get("dtensor_overhead_s", 0.0)),
+                float(c.get("unit_overhead_s", 0.0)),
             )
             for threads, c in data["compute"].items()
         }
@@ -213,6 +237,7 @@ def load_profile(name: str) -> Profile:
             collectives={int(n): rows for n, rows in data.get("collectives", {}).items()},
             overlap=bool(data.get("overlap", False)),
             sources=data.get("sources", {}),
+            probe_s={int(t): float(c["probe_s"]) for t, c in data["compute"].items() if c.get("probe_s")},
         )
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         what = f"{type(e).__name__}: {e}" if not isinstance(e, json.JSONDecodeError) else f"not JSON ({e})"
@@ -256,6 +281,12 @@ def rank_time(count: StepCount, profile: Profile, *, procs_per_node: int, rank: 
         work, more = compute_at.op_parts(op)
         compute[op.phase] += op.calls * (work + more) * share
         overhead += op.calls * more
+    for (phase, _), calls in count.dtensor_calls.items():  # (a pipeline's are in its actions' cost)
+        compute[phase] += calls * compute_at.dtensor_overhead_s * share
+        overhead += calls * compute_at.dtensor_overhead_s
+    for phase in ("forward", "backward"):  # an FSDP unit's hooks: half of them in each
+        compute[phase] += count.fsdp_units * compute_at.unit_overhead_s / 2 * share
+    overhead += count.fsdp_units * compute_at.unit_overhead_s
     comm = {phase: 0.0 for phase in compute}
     beside = {phase: 0.0 for phase in compute}
     chunks = {phase: 0 for phase in compute}
@@ -335,6 +366,15 @@ def pipeline_time(
                 mine["overhead"] += op.calls * more
             else:  # (its share of the cores: rank_time's)
                 rest.ops[op.name, op.phase, id(op)] = op
+        for (phase, action), calls in count.dtensor_calls.items():
+            seconds = calls * compute_at.dtensor_overhead_s
+            if action:
+                key = (int(action[:-1]), action[-1])
+                cost[key] = cost.get(key, 0.0) + seconds
+                mine[phase] += seconds
+                mine["overhead"] += seconds
+            else:
+                rest.dtensor_calls[phase, action] += calls
         for c in (c for c in count.collectives if c.action):
             key = (int(c.action[:-1]), c.action[-1])
             cost[key] = cost.get(key, 0.0) + profile.collective_time(c)

@@ -14,6 +14,7 @@ import pytest
 
 from common.cli import parse_config
 from common.config import Config
+from common.model_sizes import blocks
 from common.versions import NEEDS_PLANNER
 from planner.measure import RankMemory, plan_rank
 from planner.plan import VIT_VARIANTS, plan, ranks_to_measure, variant_config
@@ -146,6 +147,15 @@ def test_the_planned_step_does_the_models_flops_and_moves_the_predicted_bytes(na
         # where they ran: DDP's all-reduces and FSDP's reduce-scatters in backward, FSDP's gathers before each
         # unit's forward (and again before its backward); the single numbers (the loss, the gradient norm) after
         phases = {(c.kind, c.phase) for c in count.collectives if not c.logged}
+        # TP's layers run as DTensors: each call is counted apart, as its dispatch costs time of its own (FSDP's
+        # only in its optimizer and gradient norm, on sharded parameters); FSDP's units are the ones it wrapped
+        layer_calls = sum(n for (phase, _), n in count.dtensor_calls.items() if phase != "optimizer")
+        assert (layer_calls > 0) == (strategy == "tp" or cfg.tp > 1), where
+        if strategy == "ddp":
+            assert not count.dtensor_calls and not count.fsdp_units, where
+        if strategy == "fsdp":
+            units = len(blocks(cfg.model_size, cfg.model)) if cfg.shard_units == "blocks" else 0
+            assert count.dtensor_calls["optimizer", ""] > 0 and count.fsdp_units == units + 1, where
         if strategy in ("ddp", "fsdp"):
             assert {p for k, p in phases if k in ("all_reduce", "reduce_scatter")} <= {"backward"}, where
             assert {p for k, p in phases if k == "all_gather"} <= {"forward", "backward"}, where

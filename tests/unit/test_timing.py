@@ -200,3 +200,51 @@ def test_the_fit_recovers_the_rates_it_was_made_from():
     assert found["flops"]["matmul"] == pytest.approx(50e9, rel=1e-6)
     assert found["memory_bytes_per_s"] == pytest.approx(10e9, rel=1e-6)
     assert found["op_overhead_s"] == pytest.approx(20e-6, rel=1e-6)
+
+
+def test_dtensor_calls_and_fsdp_units_cost_their_python_besides_their_operators():
+    # 1 ms of matmul; 10 DTensor calls in forward and 20 in backward at 0.1 ms; 4 FSDP units at 1 ms a step
+    cpu = Profile(
+        "test cpu",
+        "cpu",
+        {2: Compute({"matmul": 1e9}, 1e9, 0.0, dtensor_overhead_s=1e-4, unit_overhead_s=1e-3)},
+        {"fp32": 2e9},
+        cores=2,
+    )
+    count = step(matmul_flops=10**6, collectives=[])
+    count.dtensor_calls.update({("forward", ""): 10, ("backward", ""): 20})
+    count.fsdp_units = 4
+    found = rank_time(count, cpu, procs_per_node=1)
+    assert found.step_s == pytest.approx(1e-3 + 3e-3 + 4e-3) and found.overhead_s == pytest.approx(7e-3)
+    assert found.compute["forward"] == pytest.approx(1e-3 + 2e-3)  # half a unit's hooks run before backward
+    # a pipeline's DTensor calls (PP x TP) belong to the stage action that made them
+    stage = StepCount(actions=[(0, "F", 0)])
+    stage.ops[("f",)] = mm(10**6, "forward", action="0F")
+    stage.dtensor_calls["forward", "0F"] = 10
+    seconds, _, _ = pipeline_time([stage], cpu, procs_per_node=1, ranks=[0])
+    assert seconds == pytest.approx(1e-3 + 1e-3)
+
+
+def test_a_machine_running_slower_computes_slower_and_communicates_as_measured():
+    count = step(matmul_flops=10**9, collectives=[Collective("all_reduce", 2, 10**6, "backward")])
+    assert rank_time(count, cpu_profile().at_speed(1.5), procs_per_node=2).step_s == pytest.approx(1.5 + 1e-3)
+    timed = Op("aten.relu", "forward", 0, 8, 1, signature="aten.relu.default[]", shapes=((2,),))
+    table = Compute({}, 1e9, 1e-5, operators={operator_key(timed): 7e-3}, dtensor_overhead_s=1e-4)
+    assert table.at_speed(2).op_time(timed) == pytest.approx(2 * (7e-3 + 1e-5))
+    assert table.at_speed(2).dtensor_overhead_s == pytest.approx(2e-4)
+
+
+def test_the_profile_finds_what_a_dtensor_call_and_an_fsdp_unit_cost_beyond_their_operators():
+    from bench.machine import wrapped_overheads
+
+    # a TP step: 3 ms, its one operator (1 ms alone + 0.1 ms a call) and 19 DTensor calls at 0.1 ms; an FSDP step:
+    # 4 ms, its operator, 8 DTensor calls at 0.1 ms and 2 units: 1.05 ms each
+    timed = Op("aten.mm", "forward", 0, 0, 1, signature="aten.mm.default[]", shapes=((2, 2),))
+    tp, fsdp = StepCount(), StepCount(fsdp_units=2)
+    for count, calls in ((tp, 19), (fsdp, 8)):
+        count.ops["mm"] = timed
+        count.dtensor_calls["forward", ""] = calls
+    table = {operator_key(timed): 1e-3}
+    found = wrapped_overheads([(3e-3, tp), (4e-3, fsdp)], table, 1e-4)
+    assert found["dtensor_overhead_s"] == pytest.approx(1e-4)
+    assert found["unit_overhead_s"] == pytest.approx(1.05e-3)
