@@ -15,8 +15,6 @@
   2 timed, less its operators' times alone, over the calls that run a kernel (Python, modules, autograd); the same
   steps under TP and FSDP (a unit per block) on a world of one process, for what a DTensor call and an FSDP unit
   cost beyond their operators.
-- **A speed probe** (`speed_probe`), timed before and after the operators by one process alone: bench.time_model
-  times it again at each launch, and predicts each launch at the machine's speed then (a VM's drifts).
 - **The peak** for MFU: the fp32 and bf16 matmul peak on all cores (bench/ceilings.py).
 """
 
@@ -43,7 +41,6 @@ STRATEGIES = {"ddp": {}, "fsdp": {"shard_units": "blocks"}, "tp": {}, "pippy": {
 WORLDS = (1, 2, 4)
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 MIN_TIMED_S, MIN_REPEATS = 0.05, 5
-PROBE_S = 1.0
 
 
 def counted_ops(quick: bool = False) -> dict[str, Any]:
@@ -167,29 +164,6 @@ def _eager_step(cfg: Any, model: Any, optimizer: Any) -> None:
     optimizer.step()
 
 
-def speed_probe(seconds: float = PROBE_S) -> float:
-    """Seconds one call of a fixed mix of the models' kinds of work takes at this process's threads (a convolution, a
-    matmul, an elementwise pass; the median over `seconds`): how fast the machine runs now. The profile holds it as
-    measured beside its operators; bench.time_model times it again at each launch, as a VM's speed drifts."""
-    import torch
-
-    generator = torch.Generator().manual_seed(0)
-    images, kernel = torch.randn(32, 32, 28, 28, generator=generator), torch.randn(32, 32, 3, 3, generator=generator)
-    a, b = torch.randn(256, 256, generator=generator), torch.randn(256, 256, generator=generator)
-
-    def work() -> None:
-        torch.nn.functional.gelu(torch.nn.functional.conv2d(images, kernel, padding=1)).sum()
-        a @ b
-
-    work()
-    times, started = [], time.perf_counter()
-    while time.perf_counter() - started < seconds:
-        begin = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - begin)
-    return statistics.median(times)
-
-
 def _eager_steps() -> list[tuple[Any, Any]]:
     """(a step function, its counted operators) for BabyCNN and the ViT at a batch of 2, as the scripts train them, in
     this process: where the work is small, what an eager step costs besides its operators shows."""
@@ -303,7 +277,7 @@ def _measure_at(threads: int, quick: bool, ready: Any, results: Any, index: int)
     for counted in [ops for _, ops in eager] + [count.ops for _, count in wrapped]:
         for op in counted.values():
             ops.setdefault(operator_key(op), op)
-    probes = [_probe_alone(ready, index)]  # the machine's speed now, a process alone: as bench.time_model times it
+    ready.wait()  # all processes time together
     rows, skipped, table = [], set(), {}
     for key, op in ops.items():
         seconds = time_op(op)
@@ -319,17 +293,7 @@ def _measure_at(threads: int, quick: bool, ready: Any, results: Any, index: int)
     timed = [(_step_seconds(step), count) for step, count in wrapped]
     found.update(wrapped_overheads(timed, table, found["op_overhead_s"]))
     found["fit"]["not_timed"] = sorted(skipped)
-    probes.append(_probe_alone(ready, index))
-    found["probe_s"] = statistics.fmean(probes) if index == 0 else None
     results.put((index, found))
-
-
-def _probe_alone(ready: Any, index: int) -> float | None:
-    """speed_probe in the first measuring process while the others wait, then all go on together."""
-    ready.wait()
-    seconds = speed_probe() if index == 0 else None
-    ready.wait()  # all processes time together after it
-    return seconds
 
 
 def measure_compute(threads: Sequence[int], *, quick: bool = False) -> dict[int, dict[str, Any]]:

@@ -6,9 +6,7 @@ and this machine's profile (planner/timing.py).
     python -m bench.time_model --profile runs/machine/profile.json --models cnn:baby --procs 1,2
 
 Writes <out>/time_model.json and time_model.md: per run, predicted and measured samples/s, the error, and the
-prediction's parts (compute, communication, bubble); the median and largest |error| over all runs. Each launch is
-also predicted at the machine's speed around it (bench/machine.py: speed_probe, timed before and after it, against
-the profile's): "error at launch" sets that beside it, the error left once the VM's drift is taken out.
+prediction's parts (compute, communication, bubble); the median and largest |error| over all runs.
 """
 
 from __future__ import annotations
@@ -70,33 +68,12 @@ def plan_one(model: str, size: str, strategy: str, nproc: int, *, steps: int, pr
     cfg = parse_config(runner, flags, world_size=nproc)
     row["batch_size"] = cfg.batch_size
     COUNTED[row["model"], strategy, nproc] = cfg, counted_steps(cfg, nproc)
-    return {**row, "predicted": predicted(row, profile), "rounds": [], "at_launch": []}
+    return {**row, "predicted": predicted(row, profile), "rounds": []}
 
 
-def speed_now(profile: Any, nproc: int) -> float:
-    """How many times slower than profiled the machine computes now at the threads a process of `nproc` runs
-    (bench/machine.py: speed_probe, timed here in this process alone, as the profile timed it); 1 where the
-    profile has no probe."""
-    import torch
-
-    from bench.machine import speed_probe
-
-    threads = profile.threads(nproc)
-    if threads not in profile.probe_s:
-        return 1.0
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return speed_probe() / profile.probe_s[threads]
-    finally:
-        torch.set_num_threads(before)
-
-
-def launch_one(row: dict[str, Any], *, out: Path, steps: int, profile: Any) -> None:
-    """One launch of `row`'s run, as a user does: its median step's samples/s joins row["rounds"], and the step
-    predicted at the machine's speed around the launch (the probe before and after it) joins row["at_launch"]."""
+def launch_one(row: dict[str, Any], *, out: Path, steps: int) -> None:
+    """One launch of `row`'s run, as a user does: its median step's samples/s joins row["rounds"]."""
     runner, _ = STRATEGIES[row["strategy"]]
-    slower = speed_now(profile, row["nproc"])
     model, size = row["model"].split()
     folder = out / f"{model}-{size}-{row['strategy']}-{row['nproc']}"
     shutil.rmtree(folder, ignore_errors=True)  # a previous launch's: the runner would move it aside
@@ -108,8 +85,6 @@ def launch_one(row: dict[str, Any], *, out: Path, steps: int, profile: Any) -> N
     stats = timing_stats(records(folder), warmup=WARMUP, timed=None, batch_size=row["batch_size"])
     # the median step: a step that another process's burst slowed is the machine's, not the model's
     row["rounds"].append(row["batch_size"] / stats["step_time_s"]["median"])
-    slower = (slower + speed_now(profile, row["nproc"])) / 2
-    row["at_launch"].append({"slower": slower, **predicted(row, profile.at_speed(slower))})
 
 
 def finish(row: dict[str, Any]) -> None:
@@ -117,30 +92,26 @@ def finish(row: dict[str, Any]) -> None:
     if row.get("rounds"):
         row["measured"] = {"samples_per_s": statistics.median(row["rounds"]), "rounds": row["rounds"]}
         row["error"] = row["predicted"]["samples_per_s"] / row["measured"]["samples_per_s"] - 1
-        # each launch against the prediction at its own speed; the median over the launches
-        ratios = [p["samples_per_s"] / m for p, m in zip(row["at_launch"], row["rounds"])]
-        row["error_at_launch"] = statistics.median(ratios) - 1
 
 
-def summary(rows: list[dict[str, Any]], key: str = "error") -> dict[str, Any]:
-    errors = [abs(r[key]) for r in rows if isinstance(r.get(key), float)]
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    errors = [abs(r["error"]) for r in rows if isinstance(r.get("error"), float)]
     if not errors:
         return {"runs": 0, "median_abs_error": math.nan, "max_abs_error": math.nan}
     return {"runs": len(errors), "median_abs_error": statistics.median(errors), "max_abs_error": max(errors)}
 
 
 def markdown(rows: list[dict[str, Any]], report: dict[str, Any]) -> str:
-    header = ["model", "strategy", "processes", "measured samples/s", "predicted", "error", "slower"]
-    header += ["at launch", "error at launch", "compute ms", "communication ms", "bubble"]
+    header = ["model", "strategy", "processes", "measured samples/s", "predicted", "error", "spread"]
+    header += ["compute ms", "communication ms", "bubble"]
     cells = []
     for r in rows:
         if "skipped" in r:
             continue
         p, m = r.get("predicted", {}), r.get("measured", {})
         error = r["error"] if isinstance(r.get("error"), float) else None
-        at_launch = r.get("at_launch") or [{}]
-        slower = statistics.median(a["slower"] for a in at_launch) if at_launch[0] else None
-        at_speed = statistics.median(a["samples_per_s"] for a in at_launch) if at_launch[0] else None
+        rounds = m.get("rounds") or []
+        spread = max(rounds) / min(rounds) - 1 if len(rounds) > 1 else None
         cells.append(
             [
                 r["model"],
@@ -149,19 +120,16 @@ def markdown(rows: list[dict[str, Any]], report: dict[str, Any]) -> str:
                 fmt(m.get("samples_per_s"), ".0f"),
                 fmt(p.get("samples_per_s"), ".0f"),
             ]
-            + [fmt(error, "+.0%"), fmt(slower, ".2f"), fmt(at_speed, ".0f"), fmt(r.get("error_at_launch"), "+.0%")]
+            + [fmt(error, "+.0%"), fmt(spread, ".0%")]
             + [fmt(p.get("compute_s"), ".1f", 1e3), fmt(p.get("communication_s"), ".1f", 1e3)]
             + [fmt(p.get("bubble"), ".0%") if r["strategy"] == "pipeline" else "-"]
         )
-    s, a = report["summary"], report["summary_at_launch"]
+    s = report["summary"]
     lines = [
         f"{date.today()}, {cpu_name()} ({CORES} cores), torch {report['torch']}; `{report['command']}`.",
         "",
-        f"Over {s['runs']} runs: median |error| {s['median_abs_error']:.1%}, largest {s['max_abs_error']:.1%}; "
-        f"at each launch's speed: median {a['median_abs_error']:.1%}, largest {a['max_abs_error']:.1%}.",
-        "",
-        '"slower": the speed probe around the launches against the profile\'s (median over the launches); '
-        '"at launch": the prediction with the profile\'s compute that many times slower.',
+        f"Over {s['runs']} runs: median |error| {s['median_abs_error']:.1%}, largest {s['max_abs_error']:.1%}. "
+        '"spread": the fastest launch of a run over its slowest, less one (the machine\'s own noise).',
         "",
         *md_table(header, cells),
         "",
@@ -247,13 +215,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     for round_ in range(args.rounds):  # every run once a round, so that a slow spell of the machine hits all alike
         for row in (r for r in rows if "predicted" in r and "failed" not in r):
-            launch_one(row, out=out, steps=args.steps, profile=profile)
+            launch_one(row, out=out, steps=args.steps)
             print(f"[time] round {round_ + 1}: {json.dumps({k: v for k, v in row.items() if k != 'command'})}")
     for row in rows:
         finish(row)
     command = " ".join(["python -m bench.time_model", *(argv if argv is not None else sys.argv[1:])])
     report = {"command": command, "torch": torch.__version__, "profile": profile.name, "rows": rows}
-    report["summary"], report["summary_at_launch"] = summary(rows), summary(rows, "error_at_launch")
+    report["summary"] = summary(rows)
     (out / "time_model.json").write_text(json.dumps(report, indent=1))
     (out / "time_model.md").write_text(markdown(rows, report))
     print(markdown(rows, report))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -83,20 +83,6 @@ class Compute:
     dtensor_overhead_s: float = 0.0  # a DTensor call's dispatch in Python, besides its shards' operators
     unit_overhead_s: float = 0.0  # an FSDP unit's hooks in Python, a step (forward and backward)
 
-    def at_speed(self, factor: float) -> Compute:
-        """The same machine running `factor` times slower (a VM's speed drifts: bench.time_model times a probe at
-        each launch against the profile's, bench/machine.py: speed_probe)."""
-        return replace(
-            self,
-            flops={k: v / factor for k, v in self.flops.items()},
-            memory_bytes_per_s=self.memory_bytes_per_s / factor,
-            op_overhead_s=self.op_overhead_s * factor,
-            operators={k: v * factor for k, v in self.operators.items()},
-            alone_overhead_s=self.alone_overhead_s * factor,
-            dtensor_overhead_s=self.dtensor_overhead_s * factor,
-            unit_overhead_s=self.unit_overhead_s * factor,
-        )
-
     def op_parts(self, op: Op) -> tuple[float, float]:
         """(one call's work in seconds, what the call adds besides: its overhead, or on a GPU the part of the launch
         that the work does not hide). The profile's own timing of this very call if it has one, else its FLOPs at
@@ -135,11 +121,6 @@ class Profile:
     collectives: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     overlap: bool = False
     sources: dict[str, str] = field(default_factory=dict)
-    probe_s: dict[int, float] = field(default_factory=dict)  # threads -> bench.machine's speed probe, as profiled
-
-    def at_speed(self, factor: float) -> Profile:
-        """This machine computing `factor` times slower than profiled (its collectives as measured)."""
-        return replace(self, compute={t: c.at_speed(factor) for t, c in self.compute.items()})
 
     def peak(self, precision: str) -> float:
         """The dense peak FLOP/s MFU is against: the run's dtype's, else the profile's fp32 one."""
@@ -237,7 +218,6 @@ def load_profile(name: str) -> Profile:
             collectives={int(n): rows for n, rows in data.get("collectives", {}).items()},
             overlap=bool(data.get("overlap", False)),
             sources=data.get("sources", {}),
-            probe_s={int(t): float(c["probe_s"]) for t, c in data["compute"].items() if c.get("probe_s")},
         )
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         what = f"{type(e).__name__}: {e}" if not isinstance(e, json.JSONDecodeError) else f"not JSON ({e})"

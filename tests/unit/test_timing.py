@@ -225,15 +225,6 @@ def test_dtensor_calls_and_fsdp_units_cost_their_python_besides_their_operators(
     assert seconds == pytest.approx(1e-3 + 1e-3)
 
 
-def test_a_machine_running_slower_computes_slower_and_communicates_as_measured():
-    count = step(matmul_flops=10**9, collectives=[Collective("all_reduce", 2, 10**6, "backward")])
-    assert rank_time(count, cpu_profile().at_speed(1.5), procs_per_node=2).step_s == pytest.approx(1.5 + 1e-3)
-    timed = Op("aten.relu", "forward", 0, 8, 1, signature="aten.relu.default[]", shapes=((2,),))
-    table = Compute({}, 1e9, 1e-5, operators={operator_key(timed): 7e-3}, dtensor_overhead_s=1e-4)
-    assert table.at_speed(2).op_time(timed) == pytest.approx(2 * (7e-3 + 1e-5))
-    assert table.at_speed(2).dtensor_overhead_s == pytest.approx(2e-4)
-
-
 def test_the_profile_finds_what_a_dtensor_call_and_an_fsdp_unit_cost_beyond_their_operators():
     from bench.machine import wrapped_overheads
 
