@@ -11,10 +11,11 @@
   `overhead + bytes / bandwidth` (the rest) over those operators, each weighted by its calls in the steps;
 - **Collectives**: `bench.collectives` (nccl-tests' definitions) at every group size the runners start, 1 KiB to
   64 MiB.
-- **Overhead per operator call**, of the real eager step: a training step of BabyCNN and of the ViT at a batch of
-  2 timed, less its operators' times alone, over the calls that run a kernel (Python, modules, autograd); the same
-  steps under TP and FSDP (a unit per block) on a world of one process, for what a DTensor call and an FSDP unit
-  cost beyond their operators.
+- **Overhead**, of the real eager step: training steps of BabyCNN and of the ViT (two sizes each) at a batch of
+  2 timed, less their operators' times alone (timed between two timings of the step: the machine's speed
+  drifts), fit as a cost once a step plus one per call that runs a kernel (Python, modules, autograd); steps of
+  BabyCNN and the ViT under TP and FSDP (a unit per block) on a world of one process, for what a DTensor call and
+  an FSDP unit cost beyond that. Each measuring process measures them at each thread count: the mean is kept.
 - **The peak** for MFU: the fp32 and bf16 matmul peak on all cores (bench/ceilings.py).
 """
 
@@ -41,6 +42,8 @@ STRATEGIES = {"ddp": {}, "fsdp": {"shard_units": "blocks"}, "tp": {}, "pippy": {
 WORLDS = (1, 2, 4)
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 MIN_TIMED_S, MIN_REPEATS = 0.05, 5
+PER_CALL = ("step_overhead_s", "op_overhead_s", "dtensor_overhead_s", "unit_overhead_s")  # Python's, measured
+EAGER = ({}, {"model_size": "small"}, {"model": "vit"}, {"model": "vit", "model_size": "small"})  # sizes: the fit
 
 
 def counted_ops(quick: bool = False) -> dict[str, Any]:
@@ -165,15 +168,16 @@ def _eager_step(cfg: Any, model: Any, optimizer: Any) -> None:
 
 
 def _eager_steps() -> list[tuple[Any, Any]]:
-    """(a step function, its counted operators) for BabyCNN and the ViT at a batch of 2, as the scripts train them, in
-    this process: where the work is small, what an eager step costs besides its operators shows."""
+    """(a step function, its counted operators) for BabyCNN and the ViT (two sizes each: EAGER) at a batch of 2, as
+    the scripts train them, in this process: where the work is small, what an eager step costs besides its
+    operators shows."""
     from common.config import Config
     from common.training import build_optimizer
     from planner.count import StepCounter
     from planner.measure import _model
 
     steps = []
-    for flags in ({}, {"model": "vit"}):
+    for flags in EAGER:
         cfg = Config(**flags)
         model = _model(cfg)
         step = functools.partial(_eager_step, cfg, model, build_optimizer(model.parameters(), cfg))
@@ -228,38 +232,41 @@ def _step_seconds(step: Any, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
-def wrapped_overheads(
-    steps: list[tuple[float, Any]], table: dict[str, float], op_overhead_s: float
-) -> dict[str, float]:
-    """{"dtensor_overhead_s", "unit_overhead_s"}: what wrapped steps ((seconds, count) each: `_wrapped_steps`,
-    timed) spend beyond their operators (their time alone from `table`, plus `op_overhead_s` a kernel's call): TP's
-    per DTensor call, FSDP's per unit less its few DTensor calls' (the optimizer's on sharded parameters)."""
-    from planner.timing import VIEWS, operator_key
+def beyond_operators(step: Any, ops: Any) -> tuple[float, int]:
+    """(seconds, kernel calls): what a step spends beyond its operators' own time, the step timed before and after
+    its operators are timed alone (the three close together: the machine's speed drifts), and the calls of its
+    operators that run a kernel (planner/timing.py: VIEWS; a view's cost is its timed one)."""
+    from planner.timing import VIEWS
 
-    beyond = []
-    for seconds, count in steps:
-        alone = sum(
-            op.calls * (table.get(operator_key(op), 0.0) + (op_overhead_s if op.name not in VIEWS else 0.0))
-            for op in count.ops.values()
-        )
-        beyond.append((seconds - alone, sum(count.dtensor_calls.values()), count.fsdp_units))
-    dtensor = max(0.0, statistics.fmean(extra / calls for extra, calls, units in beyond if not units))
-    unit = statistics.fmean(max(0.0, extra - calls * dtensor) / units for extra, calls, units in beyond if units)
+    before = _step_seconds(step)
+    alone = sum(op.calls * (time_op(op) or 0.0) for op in ops.values())
+    return (before + _step_seconds(step)) / 2 - alone, sum(op.calls for op in ops.values() if op.name not in VIEWS)
+
+
+def split_overhead(measured: list[tuple[float, int]]) -> dict[str, float]:
+    """{"step_overhead_s", "op_overhead_s"} from steps' (seconds beyond their operators, kernel calls): a cost once
+    a step (the optimizer's Python, autograd's start) plus one a kernel call (its module, its autograd node), the
+    non-negative least squares over steps of different sizes."""
+    import numpy as np
+
+    a = np.array([[1.0, kernels] for _, kernels in measured])
+    once, per_call = _nonnegative_least_squares(a, np.array([seconds for seconds, _ in measured]))
+    return {"step_overhead_s": float(once), "op_overhead_s": float(per_call)}
+
+
+def wrapped_overheads(steps: list[tuple[float, int, Any]], eager: dict[str, float]) -> dict[str, float]:
+    """{"dtensor_overhead_s", "unit_overhead_s"} from wrapped steps ((seconds beyond their operators, their kernel
+    calls, their count) each: `_wrapped_steps`, `beyond_operators`) less what a plain eager step of as many kernel
+    calls costs besides (`eager`: split_overhead's): TP's per DTensor call, FSDP's per unit less its few DTensor
+    calls' (the optimizer's on sharded parameters)."""
+    plain = lambda kernels: eager["step_overhead_s"] + kernels * eager["op_overhead_s"]  # noqa: E731
+    beyond = [(seconds - plain(kernels), count) for seconds, kernels, count in steps]
+    calls = lambda count: sum(count.dtensor_calls.values())  # noqa: E731
+    dtensor = max(0.0, statistics.fmean(extra / calls(count) for extra, count in beyond if not count.fsdp_units))
+    unit = statistics.fmean(
+        max(0.0, extra - calls(count) * dtensor) / count.fsdp_units for extra, count in beyond if count.fsdp_units
+    )
     return {"dtensor_overhead_s": dtensor, "unit_overhead_s": unit}
-
-
-def eager_overhead(steps: list[tuple[Any, Any]], table: dict[str, float]) -> float:
-    """Seconds per operator call that a real eager training step spends beyond its operators' own time (Python, the
-    modules' calls, autograd's bookkeeping): each of `steps` timed, less the time its operators took when timed alone
-    (`table`), over the calls of those that run a kernel (planner/timing.py: VIEWS)."""
-    from planner.timing import VIEWS, operator_key
-
-    per_call = []
-    for step, ops in steps:
-        alone = sum(op.calls * table.get(operator_key(op), 0.0) for op in ops.values())
-        kernels = sum(op.calls for op in ops.values() if op.name not in VIEWS)  # (a view's cost is its timed one)
-        per_call.append((_step_seconds(step) - alone) / kernels)
-    return max(0.0, statistics.fmean(per_call))
 
 
 def _measure_at(threads: int, quick: bool, ready: Any, results: Any, index: int) -> None:
@@ -289,9 +296,9 @@ def _measure_at(threads: int, quick: bool, ready: Any, results: Any, index: int)
     found = fit(rows)
     found["operators"] = table
     found["alone_overhead_s"] = found["op_overhead_s"]  # (what the fit's rates add for an operator not in the table)
-    found["op_overhead_s"] = eager_overhead(eager, table)  # what the training steps pay per operator
-    timed = [(_step_seconds(step), count) for step, count in wrapped]
-    found.update(wrapped_overheads(timed, table, found["op_overhead_s"]))
+    found.update(split_overhead([beyond_operators(step, ops) for step, ops in eager]))  # what training steps pay
+    timed = [(*beyond_operators(step, count.ops), count) for step, count in wrapped]
+    found.update(wrapped_overheads(timed, found))
     found["fit"]["not_timed"] = sorted(skipped)
     results.put((index, found))
 
@@ -321,8 +328,18 @@ def measure_compute(threads: Sequence[int], *, quick: bool = False) -> dict[int,
         for worker in workers:
             worker.join()
         found[t] = fits[0]  # (the others ran alongside it)
+        for cost in PER_CALL:  # each process measured them: their mean
+            found[t][cost] = statistics.fmean(fit[cost] for fit in fits.values())
         summary = {k: v for k, v in found[t].items() if k not in ("operators", "fit")}
         print(f"compute on {t} thread(s) a process: {summary}", file=sys.stderr, flush=True)
+    for cost in PER_CALL:
+        # the interpreter's costs, the same at any thread count: one measurement moves by 2x on a busy VM, so every
+        # process's at every thread count, averaged (what each measured stays in "fit")
+        for fit in found.values():
+            fit["fit"][f"measured_{cost}"] = fit[cost]
+        mean = statistics.fmean(fit[cost] for fit in found.values())
+        for fit in found.values():
+            fit[cost] = mean
     return found
 
 

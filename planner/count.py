@@ -204,7 +204,9 @@ class StepCounter(TorchDispatchMode):
         if self._model is not None:
             from torch.distributed.fsdp import FSDPModule
 
-            self.count.fsdp_units = sum(isinstance(m, FSDPModule) for m in self._model.modules())
+            # (the layers of a unit sharded together share its state)
+            states = {id(m._get_fsdp_state()) for m in self._model.modules() if isinstance(m, FSDPModule)}
+            self.count.fsdp_units = len(states)
         self._unpatch = self._not_counting_dtensor_shape_runs()
         return super().__enter__()
 

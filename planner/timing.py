@@ -5,8 +5,9 @@ by `python -m bench.machine`). docs/scale.md, "Time", says how to read it.
 - **Compute**: every operator the step ran, `calls x (work + overhead)`: its work as the profile timed that very
   call, else `max(FLOPs / achievable FLOP/s, bytes / memory bandwidth)` at its class's rate (a matmul, a
   convolution, attention); its overhead what an eager call costs besides (on a GPU the host's launch, hidden by
-  work that takes longer); each DTensor call's dispatch and each FSDP unit's hooks, where the profile measured
-  them. On a CPU, ranks that share the cores more than once (4 processes on 2) get their share.
+  work that takes longer); once a step what the optimizer and autograd's start cost in Python, each DTensor
+  call's dispatch and each FSDP unit's hooks, where the profile measured them. On a CPU, ranks that share the
+  cores more than once (4 processes on 2) get their share.
 - **Communication**: every collective at its size on the links its group spans: on a GPU the profile's bus
   bandwidth (nccl-tests' definition) within a node or across the network, plus a latency per call; on this machine
   the time measured for that collective, size and group (bench.collectives' table, interpolated).
@@ -80,6 +81,7 @@ class Compute:
     launch_overlaps: bool = False
     operators: dict[str, float] = field(default_factory=dict)  # operator_key -> seconds, as this machine timed them
     alone_overhead_s: float = 0.0  # what timing an operator alone cost besides its work (the fit's constant)
+    step_overhead_s: float = 0.0  # what an eager step costs once besides its operators' calls (the optimizer's)
     dtensor_overhead_s: float = 0.0  # a DTensor call's dispatch in Python, besides its shards' operators
     unit_overhead_s: float = 0.0  # an FSDP unit's hooks in Python, a step (forward and backward)
 
@@ -202,6 +204,7 @@ def load_profile(name: str) -> Profile:
                 gpu,
                 c.get("operators", {}),
                 float(c.get("alone_overhead_s", 0.0)),
+                float(c.get("step_overhead_s", 0.0)),
                 float(c.get("dtensor_overhead_s", 0.0)),
                 float(c.get("unit_overhead_s", 0.0)),
             )
@@ -266,7 +269,8 @@ def rank_time(count: StepCount, profile: Profile, *, procs_per_node: int, rank: 
         overhead += calls * compute_at.dtensor_overhead_s
     for phase in ("forward", "backward"):  # an FSDP unit's hooks: half of them in each
         compute[phase] += count.fsdp_units * compute_at.unit_overhead_s / 2 * share
-    overhead += count.fsdp_units * compute_at.unit_overhead_s
+    compute["optimizer"] += compute_at.step_overhead_s * share  # (a pipeline rank's too: once, outside its actions)
+    overhead += count.fsdp_units * compute_at.unit_overhead_s + compute_at.step_overhead_s
     comm = {phase: 0.0 for phase in compute}
     beside = {phase: 0.0 for phase in compute}
     chunks = {phase: 0 for phase in compute}

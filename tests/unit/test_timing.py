@@ -203,11 +203,12 @@ def test_the_fit_recovers_the_rates_it_was_made_from():
 
 
 def test_dtensor_calls_and_fsdp_units_cost_their_python_besides_their_operators():
-    # 1 ms of matmul; 10 DTensor calls in forward and 20 in backward at 0.1 ms; 4 FSDP units at 1 ms a step
+    # 1 ms of matmul; 10 DTensor calls in forward and 20 in backward at 0.1 ms; 4 FSDP units at 1 ms a step; 2 ms
+    # once a step (the optimizer's Python)
     cpu = Profile(
         "test cpu",
         "cpu",
-        {2: Compute({"matmul": 1e9}, 1e9, 0.0, dtensor_overhead_s=1e-4, unit_overhead_s=1e-3)},
+        {2: Compute({"matmul": 1e9}, 1e9, 0.0, step_overhead_s=2e-3, dtensor_overhead_s=1e-4, unit_overhead_s=1e-3)},
         {"fp32": 2e9},
         cores=2,
     )
@@ -215,27 +216,27 @@ def test_dtensor_calls_and_fsdp_units_cost_their_python_besides_their_operators(
     count.dtensor_calls.update({("forward", ""): 10, ("backward", ""): 20})
     count.fsdp_units = 4
     found = rank_time(count, cpu, procs_per_node=1)
-    assert found.step_s == pytest.approx(1e-3 + 3e-3 + 4e-3) and found.overhead_s == pytest.approx(7e-3)
+    assert found.step_s == pytest.approx(1e-3 + 3e-3 + 4e-3 + 2e-3) and found.overhead_s == pytest.approx(9e-3)
     assert found.compute["forward"] == pytest.approx(1e-3 + 2e-3)  # half a unit's hooks run before backward
     # a pipeline's DTensor calls (PP x TP) belong to the stage action that made them
     stage = StepCount(actions=[(0, "F", 0)])
     stage.ops[("f",)] = mm(10**6, "forward", action="0F")
     stage.dtensor_calls["forward", "0F"] = 10
     seconds, _, _ = pipeline_time([stage], cpu, procs_per_node=1, ranks=[0])
-    assert seconds == pytest.approx(1e-3 + 1e-3)
+    assert seconds == pytest.approx(1e-3 + 1e-3 + 2e-3)
 
 
-def test_the_profile_finds_what_a_dtensor_call_and_an_fsdp_unit_cost_beyond_their_operators():
-    from bench.machine import wrapped_overheads
+def test_the_profile_splits_what_steps_cost_beyond_their_operators_into_each_step_s_each_call_s_and_dtensor_s():
+    from bench.machine import split_overhead, wrapped_overheads
 
-    # a TP step: 3 ms, its one operator (1 ms alone + 0.1 ms a call) and 19 DTensor calls at 0.1 ms; an FSDP step:
-    # 4 ms, its operator, 8 DTensor calls at 0.1 ms and 2 units: 1.05 ms each
-    timed = Op("aten.mm", "forward", 0, 0, 1, signature="aten.mm.default[]", shapes=((2, 2),))
+    # plain eager steps of 40, 250 and 400 kernel calls, 4 ms once and 30 us a call beyond their operators
+    eager = split_overhead([(4e-3 + k * 30e-6, k) for k in (40, 250, 400)])
+    assert eager["step_overhead_s"] == pytest.approx(4e-3) and eager["op_overhead_s"] == pytest.approx(30e-6)
+    # a TP step of 100 kernel calls: 1 ms more than a plain one over its 10 DTensor calls (0.1 ms each); an FSDP step
+    # of 100: 2.9 ms more, 8 DTensor calls (0.8 ms) and 2 units (1.05 ms each)
     tp, fsdp = StepCount(), StepCount(fsdp_units=2)
-    for count, calls in ((tp, 19), (fsdp, 8)):
-        count.ops["mm"] = timed
-        count.dtensor_calls["forward", ""] = calls
-    table = {operator_key(timed): 1e-3}
-    found = wrapped_overheads([(3e-3, tp), (4e-3, fsdp)], table, 1e-4)
+    tp.dtensor_calls["forward", ""], fsdp.dtensor_calls["optimizer", ""] = 10, 8
+    plain = 4e-3 + 100 * 30e-6
+    found = wrapped_overheads([(plain + 1e-3, 100, tp), (plain + 2.9e-3, 100, fsdp)], eager)
     assert found["dtensor_overhead_s"] == pytest.approx(1e-4)
     assert found["unit_overhead_s"] == pytest.approx(1.05e-3)
