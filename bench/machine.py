@@ -1,6 +1,6 @@
 """This machine's profile for the planner's time model (planner/timing.py), measured:
 
-    python -m bench.machine                       # runs/machine/profile.json (~14 min on 2 cores)
+    python -m bench.machine                       # runs/machine/profile.json (~16 min on 2 cores)
     python -m planner --model-size small --profile runs/machine/profile.json
 
 - **Compute**, on the models' own operators: the planner counts one training step of each strategy for the models
