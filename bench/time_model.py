@@ -39,22 +39,16 @@ def flags_for(model: str, size: str, strategy: str, steps: int) -> list[str]:
     return [*common, "--train-size", "4096", "--test-size", "128", "--log-every", "1000", *own]
 
 
-COUNTED: dict[tuple[str, str, int], tuple[Any, dict[int, Any]]] = {}  # a row's (Config, counted steps): replanned never
+def predicted(cfg: Any, nproc: int, profile: Any) -> dict[str, Any]:
+    from planner.plan import time_config
 
-
-def predicted(row: dict[str, Any], profile: Any) -> dict[str, Any]:
-    """The row's step predicted on `profile` (its counted steps, planned once)."""
-    from planner.timing import predict
-
-    cfg, counts = COUNTED[row["model"], row["strategy"], row["nproc"]]
-    return {k: v for k, v in predict(cfg, row["nproc"], counts, profile).to_json().items() if k != "ranks"}
+    return {k: v for k, v in time_config(cfg, nproc, profile).to_json().items() if k != "ranks"}
 
 
 def plan_one(model: str, size: str, strategy: str, nproc: int, *, steps: int, profile: Any) -> dict[str, Any]:
     """A run's row with its prediction, or with why the scripts would not start it ("skipped")."""
     from common.cli import parse_config
     from common.errors import ConfigError
-    from planner.plan import counted_steps
     from runner.layout import check_layout
 
     runner, _ = STRATEGIES[strategy]
@@ -67,8 +61,7 @@ def plan_one(model: str, size: str, strategy: str, nproc: int, *, steps: int, pr
     row["command"] = f"NPROC={nproc} bash run_{runner}.sh " + " ".join(flags)
     cfg = parse_config(runner, flags, world_size=nproc)
     row["batch_size"] = cfg.batch_size
-    COUNTED[row["model"], strategy, nproc] = cfg, counted_steps(cfg, nproc)
-    return {**row, "predicted": predicted(row, profile), "rounds": []}
+    return {**row, "predicted": predicted(cfg, nproc, profile), "rounds": []}
 
 
 def launch_one(row: dict[str, Any], *, out: Path, steps: int) -> None:
