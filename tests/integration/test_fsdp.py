@@ -197,7 +197,9 @@ def test_a_worker_killed_during_a_save_ends_the_job_naming_it(killed):
     _, left, _ = killed
     # torchrun stops the other workers; the runner names the one killed, in one line instead of torchrun's table
     assert left["returncode"] == 137
-    (line,) = [line for line in left["output"].splitlines() if "error" in line or "Error" in line]
+    lines = [line for line in left["output"].splitlines() if "error" in line or "Error" in line]
+    assert len(lines) == 1, left["output"][-3000:]
+    (line,) = lines
     assert line.startswith(f"error: rank {left['killed_rank']} was killed by SIGKILL at step ")
     assert "out-of-memory killer" in line and "continue with: NPROC=4 bash run_fsdp.sh" in line
     assert "Root Cause" not in left["output"] and "Traceback" not in left["output"]
