@@ -266,20 +266,23 @@ class StepCounter(TorchDispatchMode):
         node = torch._C._current_autograd_node() if phase == "backward" else None
         return node.metadata.get("module", "") if node is not None else ""
 
+    def _current_phase(self) -> str:
+        # the optimizer's phase is set around its step; otherwise autograd's engine running a graph task is backward
+        return self._phase or ("backward" if torch._C._current_graph_task_id() != -1 else "forward")
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.distributed.tensor import DTensor
 
         if any(issubclass(t, DTensor) for t in types):
             if not self._paused:
-                phase = self._phase or ("backward" if torch._C._current_graph_task_id() != -1 else "forward")
-                self.count.dtensor_calls[phase, self._action] += 1
+                self.count.dtensor_calls[self._current_phase(), self._action] += 1
             return NotImplemented  # DTensor runs it on its local shards, which come back through here
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self._paused:
             return out
         name = f"{func.namespace}.{func._opname}"
-        phase = self._phase or ("backward" if torch._C._current_graph_task_id() != -1 else "forward")
+        phase = self._current_phase()
         if name in COLLECTIVES:
             kind, arg, gathered = COLLECTIVES[name]
             ranks, first, stride = _group(name, args, kwargs)
