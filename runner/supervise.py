@@ -54,6 +54,10 @@ STORE_CAUSE = re.compile(r"^torch\.distributed\.\w+: (.+)$", re.M)
 ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
 FAILURE = re.compile(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)  # each worker in torchrun's table
 HOLD_S = 3.0
+# a worker's collective failed because a peer process is gone (gloo, NCCL): it follows from that peer's end, which
+# torchrun reports; held to the end even past HOLD_S (a SIGKILLed peer is then named in one line, torchrun may take
+# seconds to stop the others)
+PEER_LOST = re.compile(rb"Connection (?:closed|reset) by peer|\] (?:Read|Write) error|remote process exited")
 RUNNER_ENV = ("NPROC", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "MAX_RESTARTS")
 
 
@@ -77,6 +81,7 @@ class Supervisor:
         self.held_since = 0.0
         self.tail: list[bytes] | None = None  # torchrun's closing traceback, from its first line on
         self.store_lost = False  # torchrun's agent said it lost the rendezvous store: what follows, follows from it
+        self.peer_lost = False  # a held line says a worker lost a peer: not passed on for quiet seconds alone
         torchrun = cmd[:script]
         self.endpoint = _option(torchrun, "--rdzv-endpoint")  # MASTER_ADDR:MASTER_PORT on several machines
         conf = dict(kv.split("=", 1) for kv in (_option(torchrun, "--rdzv-conf") or "").split(",") if "=" in kv)
@@ -134,6 +139,7 @@ class Supervisor:
         else:  # held until the workers go on, or a few quiet seconds pass: see `run`
             if TORCHRUN_LOG.match(line) and STORE_LOST in line:
                 self.store_lost = True  # then held to the end, with the workers' "Connection reset" before it: `end`
+            self.peer_lost = self.peer_lost or bool(PEER_LOST.search(line))
             self.held.append(line)
             self.held_since = self.held_since or time.monotonic()
 
@@ -142,6 +148,7 @@ class Supervisor:
             for held in self.held:
                 _write(sys.stderr.buffer, held)
             self.held.clear()
+            self.peer_lost = False
         self.held_since = 0.0
 
     # ---------------------------------------------------------------- the run
@@ -167,7 +174,7 @@ class Supervisor:
                     *lines, partial[key.fd] = (partial[key.fd] + chunk).split(b"\n")
                     for line in lines:
                         self.line(streams[key.fd], line + b"\n")
-                if self.held_since and time.monotonic() - self.held_since > HOLD_S:
+                if self.held_since and not self.peer_lost and time.monotonic() - self.held_since > HOLD_S:
                     self._flush_held()  # the run is quiet: nothing more to decide by
         if self.maybe_traceback is not None:
             self.line(2, b"")

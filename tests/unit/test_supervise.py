@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from runner.supervise import HOLD_S
 from tests.helpers import ROOT
 
 WORKER_TRACEBACK = """[rank1]: Traceback (most recent call last):
@@ -28,11 +29,15 @@ Root Cause (first observed failure):
 
 
 def supervise(
-    tmp_path, stdout: str, stderr: str, code: int, torchrun: tuple[str, ...] = ()
+    tmp_path, stdout: str, stderr: str | list[str], code: int, torchrun: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess:
-    """runner.supervise over a stand-in for torchrun that prints `stdout` and `stderr` and exits `code`; `torchrun`:
-    torchrun's options before the script, as runner/launch.sh passes them (the stand-in ignores them)."""
-    child = f"import sys; print({stdout!r}, end=''); sys.stderr.write({stderr!r}); sys.exit({code})"
+    """runner.supervise over a stand-in for torchrun that prints `stdout` and `stderr` (a list: its parts with more
+    than the supervisor's quiet seconds between them) and exits `code`; `torchrun`: torchrun's options before the
+    script, as runner/launch.sh passes them (the stand-in ignores them)."""
+    parts = [stderr] if isinstance(stderr, str) else stderr
+    pause = f"sys.stderr.flush(); time.sleep({HOLD_S + 0.5})"
+    writes = f"; {pause}; ".join(f"sys.stderr.write({part!r})" for part in parts)
+    child = f"import sys, time; print({stdout!r}, end=''); {writes}; sys.exit({code})"
     cmd = [sys.executable, "-c", child, *torchrun, "train_ddp.py", "--out", str(tmp_path / "run")]
     return subprocess.run(
         [sys.executable, "-m", "runner.supervise", "--", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=60
@@ -82,6 +87,16 @@ Root Cause (first observed failure):
 """
     done = supervise(tmp_path, "", WORKER_TRACEBACK + report, 1)
     assert done.returncode == 137 and done.stderr.startswith("error: rank 1 was killed by SIGKILL"), done.stderr
+
+
+def test_a_peer_s_lost_connection_waits_for_the_end_while_a_warning_does_not(tmp_path):
+    """What a worker prints is passed on after a few quiet seconds (a warning must not wait for the run's end), but not
+    a collective that failed because its peer is gone: torchrun can take seconds to stop the other workers after a
+    SIGKILL, and the one line that names the SIGKILL says it all."""
+    done = supervise(tmp_path, "", ["a warning\n", PEER_GONE, TORCHRUN_REPORT.format(code=-9)], 1)
+    assert done.returncode == 137
+    warning, line = done.stderr.splitlines()
+    assert warning == "a warning" and line.startswith("error: rank 1 was killed by SIGKILL"), done.stderr
 
 
 # --------------------------------------------------------------------------- the rendezvous store (several machines)
