@@ -172,20 +172,13 @@ def _eager_steps() -> list[tuple[Any, Any]]:
     the scripts train them, in this process: where the work is small, what an eager step costs besides its
     operators shows."""
     from common.config import Config
-    from common.training import build_optimizer
-    from planner.count import StepCounter
     from planner.measure import _model
 
     steps = []
     for flags in EAGER:
         cfg = Config(**flags)
-        model = _model(cfg)
-        step = functools.partial(_eager_step, cfg, model, build_optimizer(model.parameters(), cfg))
-        for _ in range(3):
-            step()
-        with StepCounter(model) as counter:
-            step()
-        steps.append((step, counter.count.ops))
+        step, count = _counted_step(cfg, _model(cfg))
+        steps.append((step, count.ops))
     return steps
 
 
@@ -197,8 +190,6 @@ def _wrapped_steps() -> list[tuple[Any, Any]]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from common.config import Config
-    from common.training import build_optimizer
-    from planner.count import StepCounter
     from planner.measure import _model
     from train_fsdp import apply_fsdp, fsdp_mesh
     from train_tp import apply_tp
@@ -214,13 +205,22 @@ def _wrapped_steps() -> list[tuple[Any, Any]]:
             apply_tp(plain, tp, plain.tp_plan(False)),
             apply_fsdp((fsdp := _model(cfg)), fsdp_mesh("cpu", 1), units=fsdp.blocks()),
         ):
-            step = functools.partial(_eager_step, cfg, model, build_optimizer(model.parameters(), cfg))
-            for _ in range(3):
-                step()
-            with StepCounter(model) as counter:
-                step()
-            steps.append((step, counter.count))
+            steps.append(_counted_step(cfg, model))
     return steps
+
+
+def _counted_step(cfg: Any, model: Any) -> tuple[Any, Any]:
+    """(the step function of `model` as the scripts train it, its count): three steps first, so the count sees a
+    warm step (the optimizer's state made, the caches filled)."""
+    from common.training import build_optimizer
+    from planner.count import StepCounter
+
+    step = functools.partial(_eager_step, cfg, model, build_optimizer(model.parameters(), cfg))
+    for _ in range(3):
+        step()
+    with StepCounter(model) as counter:
+        step()
+    return step, counter.count
 
 
 def _step_seconds(step: Any, repeats: int = 20) -> float:
@@ -269,37 +269,53 @@ def wrapped_overheads(steps: list[tuple[float, int, Any]], eager: dict[str, floa
     return {"dtensor_overhead_s": dtensor, "unit_overhead_s": unit}
 
 
-def _measure_at(threads: int, quick: bool, ready: Any, results: Any, index: int) -> None:
+def _measure(threads: Sequence[int], quick: bool, together: Any, results: Any, index: int) -> None:
     """In one of the processes that together load the cores as the runners do: count the steps' operators (and those
-    of two small eager steps), wait for the others, then time each operator at `threads` threads, fit them, and time
-    the eager steps for the overhead per operator; the result goes to `results` as (index, fit)."""
+    of the eager steps), then time each operator at every thread count in turn, in as many processes at once as
+    runners with that many threads a process start (`index` below cores / threads: the others wait), so the tables
+    of the thread counts are timed side by side, not minutes apart while the machine's speed drifts; then fit each
+    table and time the eager steps at each thread count for the overheads. The result goes to `results` as (index,
+    {threads: fit}) from every process that timed at a thread count."""
     import torch
 
     from planner.timing import op_class, operator_key
 
-    torch.set_num_threads(threads)
     ops = counted_ops(quick)
     eager = _eager_steps()
     wrapped = _wrapped_steps()
     for counted in [ops for _, ops in eager] + [count.ops for _, count in wrapped]:
         for op in counted.values():
             ops.setdefault(operator_key(op), op)
-    ready.wait()  # all processes time together
-    rows, skipped, table = [], set(), {}
-    for key, op in ops.items():
-        seconds = time_op(op)
-        if seconds is None:
-            skipped.add(op.name)
-            continue
-        rows.append((op_class(op.name), op.flops, op.bytes, seconds, op.calls))
-        table[key] = seconds
-    found = fit(rows)
-    found["operators"] = table
-    found["alone_overhead_s"] = found["op_overhead_s"]  # (what the fit's rates add for an operator not in the table)
-    found.update(split_overhead([beyond_operators(step, ops) for step, ops in eager]))  # what training steps pay
-    timed = [(*beyond_operators(step, count.ops), count) for step, count in wrapped]
-    found.update(wrapped_overheads(timed, found))
-    found["fit"]["not_timed"] = sorted(skipped)
+    active = [t for t in threads if index < max(1, CORES // t)]
+    rows: dict[int, list[Any]] = {t: [] for t in active}
+    tables: dict[int, dict[str, float]] = {t: {} for t in active}
+    skipped: set[str] = set()
+    together.wait()
+    for key in sorted(ops):  # (every process the same order: they meet at each operator)
+        op = ops[key]
+        for t in threads:
+            if t in active:
+                torch.set_num_threads(t)
+                seconds = time_op(op)
+                if seconds is None:
+                    skipped.add(op.name)
+                else:
+                    rows[t].append((op_class(op.name), op.flops, op.bytes, seconds, op.calls))
+                    tables[t][key] = seconds
+            together.wait()
+    found = {}
+    for t in threads:
+        if t in active:
+            torch.set_num_threads(t)
+            found[t] = fit(rows[t])
+            found[t]["operators"] = tables[t]
+            found[t]["alone_overhead_s"] = found[t]["op_overhead_s"]  # (what the rates add for an operator not timed)
+            overheads = [beyond_operators(step, ops) for step, ops in eager]
+            found[t].update(split_overhead(overheads))  # what training steps pay beyond their operators
+            timed = [(*beyond_operators(step, count.ops), count) for step, count in wrapped]
+            found[t].update(wrapped_overheads(timed, found[t]))
+            found[t]["fit"]["not_timed"] = sorted(skipped)
+        together.wait()
     results.put((index, found))
 
 
@@ -311,35 +327,35 @@ def measure_compute(threads: Sequence[int], *, quick: bool = False) -> dict[int,
     import multiprocessing
 
     context = multiprocessing.get_context("fork")
-    found = {}
-    for t in threads:
-        copies = max(1, CORES // t)
-        ready, results = context.Barrier(copies), context.Queue()
-        workers = [context.Process(target=_measure_at, args=(t, quick, ready, results, i)) for i in range(copies)]
-        for worker in workers:
-            worker.start()
-        fits = {}
-        while len(fits) < copies:  # a worker that dies (out of memory, a signal) says so instead of hanging here
-            try:
-                fits.update([results.get(timeout=10)])
-            except queue.Empty:
-                if dead := [w.exitcode for w in workers if w.exitcode not in (None, 0)]:
-                    raise RuntimeError(f"a measuring process ended with exit code {dead[0]}") from None
-        for worker in workers:
-            worker.join()
-        found[t] = fits[0]  # (the others ran alongside it)
-        for cost in PER_CALL:  # each process measured them: their mean
-            found[t][cost] = statistics.fmean(fit[cost] for fit in fits.values())
-        summary = {k: v for k, v in found[t].items() if k not in ("operators", "fit")}
+    copies = max(max(1, CORES // t) for t in threads)
+    together, results = context.Barrier(copies), context.Queue()
+    workers = [context.Process(target=_measure, args=(threads, quick, together, results, i)) for i in range(copies)]
+    for worker in workers:
+        worker.start()
+    fits: dict[int, dict[int, Any]] = {}
+    while len(fits) < copies:  # a worker that dies (out of memory, a signal) says so instead of hanging here
+        try:
+            fits.update([results.get(timeout=10)])
+        except queue.Empty:
+            if dead := [w.exitcode for w in workers if w.exitcode not in (None, 0)]:
+                together.abort()  # (the others wait for it at their next meeting: they end too)
+                raise RuntimeError(f"a measuring process ended with exit code {dead[0]}") from None
+    for worker in workers:
+        worker.join()
+    found = {t: fits[0][t] for t in threads}  # (the others ran alongside it)
+    for t, fit_t in found.items():
+        for cost in PER_CALL:  # each process that timed at t measured them: their mean
+            fit_t[cost] = statistics.fmean(fits[i][t][cost] for i in fits if t in fits[i])
+        summary = {k: v for k, v in fit_t.items() if k not in ("operators", "fit")}
         print(f"compute on {t} thread(s) a process: {summary}", file=sys.stderr, flush=True)
     for cost in PER_CALL:
         # the interpreter's costs, the same at any thread count: one measurement moves by 2x on a busy VM, so every
         # process's at every thread count, averaged (what each measured stays in "fit")
-        for fit in found.values():
-            fit["fit"][f"measured_{cost}"] = fit[cost]
-        mean = statistics.fmean(fit[cost] for fit in found.values())
-        for fit in found.values():
-            fit[cost] = mean
+        for fit_t in found.values():
+            fit_t["fit"][f"measured_{cost}"] = fit_t[cost]
+        mean = statistics.fmean(fit_t[cost] for fit_t in found.values())
+        for fit_t in found.values():
+            fit_t[cost] = mean
     return found
 
 
