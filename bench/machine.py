@@ -6,7 +6,8 @@
 - **Compute**, on the models' own operators: the planner counts one training step of each strategy for the models
   the suite trains (planner/count.py records every operator with its shapes), and each distinct operator is run
   here on real tensors at every thread count the runners give a process (cores / processes), timed in as many
-  processes at once as such a run starts (they share memory bandwidth and caches as the run's processes do). Per thread
+  processes at once as such a run starts (they share memory bandwidth and caches as the run's processes do), the
+  thread counts in turn on each operator (side by side: the machine's speed drifts between minutes). Per thread
   count a least-squares fit of `overhead + FLOPs / FLOP/s` (matmuls, convolutions, attention: a rate each) and
   `overhead + bytes / bandwidth` (the rest) over those operators, each weighted by its calls in the steps;
 - **Collectives**: `bench.collectives` (nccl-tests' definitions) at every group size the runners start, 1 KiB to
