@@ -6,11 +6,10 @@
 - **Compute**, on the models' own operators: the planner counts one training step of each strategy for the models
   the suite trains (planner/count.py records every operator with its shapes), and each distinct operator is run
   here on real tensors at every thread count the runners give a process (cores / processes), timed in as many
-  processes at once as such a run starts (they share memory bandwidth and caches as the run's processes do), each
-  process at one thread count throughout, the thread counts in turn on each block of operators (side by side: the
-  machine's speed drifts between minutes). Per thread count a least-squares fit of `overhead + FLOPs / FLOP/s`
-  (matmuls, convolutions, attention: a rate each) and `overhead + bytes / bandwidth` (the rest) over those
-  operators, each weighted by its calls in the steps;
+  processes at once as such a run starts (they share memory bandwidth and caches as the run's processes do), the
+  thread counts in turn on each operator (side by side: the machine's speed drifts between minutes). Per thread
+  count a least-squares fit of `overhead + FLOPs / FLOP/s` (matmuls, convolutions, attention: a rate each) and
+  `overhead + bytes / bandwidth` (the rest) over those operators, each weighted by its calls in the steps;
 - **Collectives**: `bench.collectives` (nccl-tests' definitions) at every group size the runners start, 1 KiB to
   64 MiB.
 - **Overhead**, of the real eager step: training steps of BabyCNN and of the ViT (two sizes each) at a batch of
@@ -44,7 +43,6 @@ STRATEGIES = {"ddp": {}, "fsdp": {"shard_units": "blocks"}, "tp": {}, "pippy": {
 WORLDS = (1, 2, 4)
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 MIN_TIMED_S, MIN_REPEATS = 0.05, 5
-BLOCK = 16  # operators a thread count times before the next one takes its turn (about a second)
 PER_CALL = ("step_overhead_s", "op_overhead_s", "dtensor_overhead_s", "unit_overhead_s")  # Python's, measured
 EAGER = ({}, {"model_size": "small"}, {"model": "vit"}, {"model": "vit", "model_size": "small"})  # sizes: the fit
 
@@ -77,10 +75,9 @@ def counted_ops(quick: bool = False) -> dict[str, Any]:
     return found
 
 
-def time_op(op: Any, repeats: int = MIN_REPEATS, seconds: float = MIN_TIMED_S) -> float | None:
-    """Median seconds of one call of `op` on real tensors (random floats, zero indices), at least `repeats` calls
-    and `seconds` timed, or None where it cannot run outside its step (FSDP's storage resizes, a view of a freed
-    buffer)."""
+def time_op(op: Any) -> float | None:
+    """Median seconds of one call of `op` on real tensors (random floats, zero indices), or None where it cannot
+    run outside its step (FSDP's storage resizes, a view of a freed buffer)."""
     import torch
     from torch.utils._pytree import tree_map_only
 
@@ -95,7 +92,7 @@ def time_op(op: Any, repeats: int = MIN_REPEATS, seconds: float = MIN_TIMED_S) -
         args, kwargs = tree_map_only(TensorSpec, real, (args, kwargs))
         func(*args, **kwargs)
         times, started = [], time.perf_counter()
-        while len(times) < repeats or time.perf_counter() - started < seconds:
+        while len(times) < MIN_REPEATS or time.perf_counter() - started < MIN_TIMED_S:
             begin = time.perf_counter()
             func(*args, **kwargs)
             times.append(time.perf_counter() - begin)
@@ -273,56 +270,52 @@ def wrapped_overheads(steps: list[tuple[float, int, Any]], eager: dict[str, floa
     return {"dtensor_overhead_s": dtensor, "unit_overhead_s": unit}
 
 
-def _measure(team: Sequence[int], quick: bool, together: Any, results: Any, index: int) -> None:
-    """In one of the processes that together load the cores as the runners do (`team`: each one's thread count, as
-    many at each count as runners with that many threads a process start: cores / threads), this one at
-    `team[index]` threads throughout: count the steps' operators (and those of the eager steps), call each once,
-    then let the processes of each thread count time a block of them in turn (the others wait), so the tables of
-    the thread counts are timed side by side, not minutes apart while the machine's speed drifts; then fit this
-    process's table and time the eager steps, in turn likewise, for the overheads. A process never changes its
-    thread count: timed right after it did, 2-thread operators ran 20-30 % slower here than in a process that kept
-    2 threads (docs/benchmarks/2026-11-27-cpu-2core-time-model.md). The result goes to `results` as (index, fit)."""
+def _measure(threads: Sequence[int], quick: bool, together: Any, results: Any, index: int) -> None:
+    """In one of the processes that together load the cores as the runners do: count the steps' operators (and those
+    of the eager steps), then time each operator at every thread count in turn, in as many processes at once as
+    runners with that many threads a process start (`index` below cores / threads: the others wait), so the tables
+    of the thread counts are timed side by side, not minutes apart while the machine's speed drifts; then fit each
+    table and time the eager steps at each thread count for the overheads. The result goes to `results` as (index,
+    {threads: fit}) from every process that timed at a thread count."""
     import torch
 
     from planner.timing import op_class, operator_key
 
-    threads = team[index]
-    torch.set_num_threads(threads)
     ops = counted_ops(quick)
     eager = _eager_steps()
     wrapped = _wrapped_steps()
     for counted in [ops for _, ops in eager] + [count.ops for _, count in wrapped]:
         for op in counted.values():
             ops.setdefault(operator_key(op), op)
-    rows: list[Any] = []
-    table: dict[str, float] = {}
+    active = [t for t in threads if index < max(1, CORES // t)]
+    rows: dict[int, list[Any]] = {t: [] for t in active}
+    tables: dict[int, dict[str, float]] = {t: {} for t in active}
     skipped: set[str] = set()
-    turns, keys = sorted(set(team)), sorted(ops)  # (every process the same order: they meet at each block)
-    for key in keys:  # (a process's first pass over the operators ran up to a third slower here than its next)
-        time_op(ops[key], repeats=1, seconds=0.0)
     together.wait()
-    for block in range(0, len(keys), BLOCK):
-        for turn in turns:
-            if turn == threads:
-                for key in keys[block : block + BLOCK]:
-                    op = ops[key]
-                    if (seconds := time_op(op)) is None:
-                        skipped.add(op.name)
-                    else:
-                        rows.append((op_class(op.name), op.flops, op.bytes, seconds, op.calls))
-                        table[key] = seconds
+    for key in sorted(ops):  # (every process the same order: they meet at each operator)
+        op = ops[key]
+        for t in threads:
+            if t in active:
+                torch.set_num_threads(t)
+                seconds = time_op(op)
+                if seconds is None:
+                    skipped.add(op.name)
+                else:
+                    rows[t].append((op_class(op.name), op.flops, op.bytes, seconds, op.calls))
+                    tables[t][key] = seconds
             together.wait()
-    found: dict[str, Any] = {}
-    for turn in turns:
-        if turn == threads:
-            found = fit(rows)
-            found["operators"] = table
-            found["alone_overhead_s"] = found["op_overhead_s"]  # (what the rates add for an operator not timed)
+    found = {}
+    for t in threads:
+        if t in active:
+            torch.set_num_threads(t)
+            found[t] = fit(rows[t])
+            found[t]["operators"] = tables[t]
+            found[t]["alone_overhead_s"] = found[t]["op_overhead_s"]  # (what the rates add for an operator not timed)
             overheads = [beyond_operators(step, ops) for step, ops in eager]
-            found.update(split_overhead(overheads))  # what training steps pay beyond their operators
+            found[t].update(split_overhead(overheads))  # what training steps pay beyond their operators
             timed = [(*beyond_operators(step, count.ops), count) for step, count in wrapped]
-            found.update(wrapped_overheads(timed, found))
-            found["fit"]["not_timed"] = sorted(skipped)
+            found[t].update(wrapped_overheads(timed, found[t]))
+            found[t]["fit"]["not_timed"] = sorted(skipped)
         together.wait()
     results.put((index, found))
 
@@ -335,13 +328,13 @@ def measure_compute(threads: Sequence[int], *, quick: bool = False) -> dict[int,
     import multiprocessing
 
     context = multiprocessing.get_context("fork")
-    team = [t for t in threads for _ in range(max(1, CORES // t))]  # (each process's thread count)
-    together, results = context.Barrier(len(team)), context.Queue()
-    workers = [context.Process(target=_measure, args=(team, quick, together, results, i)) for i in range(len(team))]
+    copies = max(max(1, CORES // t) for t in threads)
+    together, results = context.Barrier(copies), context.Queue()
+    workers = [context.Process(target=_measure, args=(threads, quick, together, results, i)) for i in range(copies)]
     for worker in workers:
         worker.start()
-    fits: dict[int, Any] = {}
-    while len(fits) < len(team):  # a worker that dies (out of memory, a signal) says so instead of hanging here
+    fits: dict[int, dict[int, Any]] = {}
+    while len(fits) < copies:  # a worker that dies (out of memory, a signal) says so instead of hanging here
         try:
             fits.update([results.get(timeout=10)])
         except queue.Empty:
@@ -350,10 +343,10 @@ def measure_compute(threads: Sequence[int], *, quick: bool = False) -> dict[int,
                 raise RuntimeError(f"a measuring process ended with exit code {dead[0]}") from None
     for worker in workers:
         worker.join()
-    found = {t: fits[team.index(t)] for t in threads}  # (the others at t ran alongside it)
+    found = {t: fits[0][t] for t in threads}  # (the others ran alongside it)
     for t, fit_t in found.items():
-        for cost in PER_CALL:  # each process at t measured them: their mean
-            fit_t[cost] = statistics.fmean(fits[i][cost] for i, own in enumerate(team) if own == t)
+        for cost in PER_CALL:  # each process that timed at t measured them: their mean
+            fit_t[cost] = statistics.fmean(fits[i][t][cost] for i in fits if t in fits[i])
         summary = {k: v for k, v in fit_t.items() if k not in ("operators", "fit")}
         print(f"compute on {t} thread(s) a process: {summary}", file=sys.stderr, flush=True)
     for cost in PER_CALL:
