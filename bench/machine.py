@@ -10,6 +10,10 @@
   thread counts in turn on each operator (side by side: the machine's speed drifts between minutes). Per thread
   count a least-squares fit of `overhead + FLOPs / FLOP/s` (matmuls, convolutions, attention: a rate each) and
   `overhead + bytes / bandwidth` (the rest) over those operators, each weighted by its calls in the steps;
+- **First touch of new pages**: the runs' allocator maps every buffer of 32 MiB or more afresh
+  (common/distributed.py: keep_freed_memory), and the OS zero-fills its pages as they are first written; a fill of
+  64 MiB on new pages against one into a buffer kept, at each thread count. The operators are then timed on pages
+  already mapped (keep_every_page), and the planner adds the first touch of each large storage a step makes;
 - **Collectives**: `bench.collectives` (nccl-tests' definitions) at every group size the runners start, 1 KiB to
   64 MiB.
 - **Overhead**, of the real eager step: training steps of BabyCNN and of the ViT (two sizes each) at a batch of
@@ -99,6 +103,39 @@ def time_op(op: Any) -> float | None:
     except Exception:  # noqa: BLE001  (an operator that needs its step's state: left out, counted below)
         return None
     return statistics.median(times)
+
+
+def fresh_bytes_per_s(nbytes: int = 64 << 20) -> float:
+    """How fast the OS gives this process pages it has not touched: a buffer of `nbytes` (over MMAP_THRESHOLD, as the
+    runs' allocator is set: each allocation mapped afresh) filled on new pages, against the same fill into a buffer
+    kept, on this process's threads."""
+    import torch
+
+    from common.distributed import MMAP_THRESHOLD, keep_freed_memory
+
+    assert nbytes >= MMAP_THRESHOLD
+    keep_freed_memory()
+    kept = torch.empty(nbytes // 4)
+    fill = lambda t: lambda: t.fill_(1.0)  # noqa: E731
+    fresh, reused = [], []
+    for _ in range(MIN_REPEATS * 2):  # (side by side: the machine's speed drifts)
+        for times, run in ((fresh, lambda: fill(torch.empty(nbytes // 4))()), (reused, fill(kept))):
+            started = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - started)
+    return nbytes / max(statistics.median(fresh) - statistics.median(reused), 1e-9)
+
+
+def keep_every_page() -> bool:
+    """From here on this process maps no buffer afresh (glibc: no mmap, no trim), so an operator timed again and
+    again times its work, not its first touch of new pages: the planner adds that apart (Op.fresh_bytes). False
+    where mallopt is not available: nothing changes."""
+    import ctypes
+
+    from common.distributed import keep_freed_memory
+
+    m_mmap_max = -4  # glibc's malloc.h
+    return keep_freed_memory() and bool(ctypes.CDLL("libc.so.6").mallopt(m_mmap_max, 0))
 
 
 def _nonnegative_least_squares(a: Any, b: Any) -> Any:
@@ -291,7 +328,14 @@ def _measure(threads: Sequence[int], quick: bool, together: Any, results: Any, i
     rows: dict[int, list[Any]] = {t: [] for t in active}
     tables: dict[int, dict[str, float]] = {t: {} for t in active}
     skipped: set[str] = set()
+    fresh: dict[int, float] = {}
     together.wait()
+    for t in threads:
+        if t in active:
+            torch.set_num_threads(t)
+            fresh[t] = fresh_bytes_per_s()
+        together.wait()
+    keep_every_page()
     for key in sorted(ops):  # (every process the same order: they meet at each operator)
         op = ops[key]
         for t in threads:
@@ -310,6 +354,7 @@ def _measure(threads: Sequence[int], quick: bool, together: Any, results: Any, i
             torch.set_num_threads(t)
             found[t] = fit(rows[t])
             found[t]["operators"] = tables[t]
+            found[t]["fresh_bytes_per_s"] = fresh[t]
             found[t]["alone_overhead_s"] = found[t]["op_overhead_s"]  # (what the rates add for an operator not timed)
             overheads = [beyond_operators(step, ops) for step, ops in eager]
             found[t].update(split_overhead(overheads))  # what training steps pay beyond their operators

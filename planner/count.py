@@ -108,6 +108,7 @@ class Op:
     dtype: str = "fp32"  # of its first floating-point input: what a GPU's tensor cores run it in
     shapes: tuple = ()  # of its tensor arguments
     signature: str = ""  # its name, overload and arguments that are not tensors: with `shapes`, one kind of call
+    fresh_bytes: int = 0  # a call's new storages of MMAP_THRESHOLD or more: on glibc, pages the OS maps afresh
 
 
 @dataclass
@@ -165,6 +166,23 @@ def _group(func_name: str, args: tuple, kwargs: dict) -> tuple[int, int, int]:
 
 def _nbytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+def _fresh_bytes(func: Any, out: Any) -> int:
+    """The bytes of the new storages of MMAP_THRESHOLD or more that a call makes (its outputs that alias no input,
+    each storage once: FSDP's all-gather input is a view of its output)."""
+    from common.distributed import MMAP_THRESHOLD
+
+    returns = func._schema.returns
+    outputs = [out] if len(returns) == 1 else out or ()  # (one return may be a list of tensors: a foreach operator's)
+    storages = {
+        t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+        for output, returned in zip(outputs, returns)
+        if returned.alias_info is None
+        for t in tree_leaves(output)
+        if isinstance(t, torch.Tensor)
+    }
+    return sum(n for n in storages.values() if n >= MMAP_THRESHOLD)
 
 
 class StepCounter(TorchDispatchMode):
@@ -313,6 +331,7 @@ class StepCounter(TorchDispatchMode):
             dtype = DTYPES.get(next(floats, torch.float32), "fp32")
             self.count.ops[key] = Op(name, phase, flops, nbytes, 0, self._action, call, dtype, shapes, key[0])
         self.count.ops[key].calls += 1
+        self.count.ops[key].fresh_bytes = _fresh_bytes(func, out)
         if flops:
             self.count.module_flops[self._module(phase)] += flops
         return out

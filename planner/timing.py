@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,12 +85,16 @@ class Compute:
     step_overhead_s: float = 0.0  # what an eager step costs once besides its operators' calls (the optimizer's)
     dtensor_overhead_s: float = 0.0  # a DTensor call's dispatch in Python, besides its shards' operators
     unit_overhead_s: float = 0.0  # an FSDP unit's hooks in Python, a step (forward and backward)
+    # how fast the OS hands a process pages it has not touched yet: a CPU's buffers of MMAP_THRESHOLD or more are
+    # mapped afresh at every allocation (Op.fresh_bytes); none on a GPU (the caching allocator keeps its blocks)
+    fresh_bytes_per_s: float = 0.0
 
     def op_parts(self, op: Op) -> tuple[float, float]:
         """(one call's work in seconds, what the call adds besides: its overhead, or on a GPU the part of the launch
         that the work does not hide). The profile's own timing of this very call if it has one, else its FLOPs at
         its class's rate or its bytes at the memory bandwidth, whichever is longer (plus the fitted cost per call
-        of an operator timed alone); a view or an allocation moves no data."""
+        of an operator timed alone); a view or an allocation moves no data. Plus the first touch of the large
+        storages it makes (the profile's operators are timed on pages already mapped)."""
         timed = self.operators.get(operator_key(op)) if self.operators else None
         if timed is not None:
             work = timed
@@ -99,6 +104,8 @@ class Compute:
             cls = op_class(op.name)
             rate = (self.flops.get(f"{cls}:{op.dtype}") or self.flops.get(cls)) if op.flops else None
             work = self.alone_overhead_s + max(op.flops / rate if rate else 0.0, op.bytes / self.memory_bytes_per_s)
+        if self.fresh_bytes_per_s:
+            work += op.fresh_bytes / self.fresh_bytes_per_s
         overhead = 0.0 if op.name in VIEWS else self.op_overhead_s
         return work, (max(0.0, overhead - work) if self.launch_overlaps else overhead)
 
@@ -165,7 +172,13 @@ class Profile:
                 f"--profile: {self.name} has no {op} measured on {ranks} processes: python -m bench.machine --procs"
             )
         measured = min(sizes, key=lambda n: (abs(n - ranks), -n))  # the group size measured nearest
-        rows = [r for r in self.collectives[measured] if r["op"] == op]
+        rows = sorted((r for r in self.collectives[measured] if r["op"] == op), key=lambda r: r["bytes"])
+        # each size between two others at the median of the three: a time that rises with the size stays as it is,
+        # one size this VM's noise put out of line does not decide every collective of that size (TP's all-reduces)
+        rows = [
+            {**r, "time_s": statistics.median(n["time_s"] for n in rows[i - 1 : i + 2])} if 0 < i < len(rows) - 1 else r
+            for i, r in enumerate(rows)
+        ]
         largest = max(rows, key=lambda r: r["bytes"])
         if nbytes > largest["bytes"]:  # beyond what was measured: at the largest size's bandwidth
             seconds = largest["time_s"] * nbytes / largest["bytes"]
@@ -207,6 +220,7 @@ def load_profile(name: str) -> Profile:
                 float(c.get("step_overhead_s", 0.0)),
                 float(c.get("dtensor_overhead_s", 0.0)),
                 float(c.get("unit_overhead_s", 0.0)),
+                float(c.get("fresh_bytes_per_s", 0.0)),
             )
             for threads, c in data["compute"].items()
         }

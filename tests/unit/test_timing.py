@@ -104,6 +104,14 @@ def test_a_cpu_collective_takes_what_was_measured_and_beyond_it_the_largest_size
     assert cpu.collective_time(Collective("all_reduce", 2, 10**6, "backward")) == pytest.approx(1e-3)
     assert cpu.collective_time(Collective("all_reduce", 2, 10**8, "backward")) == pytest.approx(0.1)  # 100 x 1 MB
     assert cpu.collective_time(Collective("all_reduce", 4, 10**6, "backward")) == pytest.approx(1e-3 * 1.5)  # 2*3/4
+    # one size out of line with its neighbours is read at the median of the three; the sizes around it as measured
+    rows = [
+        {"op": "all_reduce", "bytes": b, "time_s": t} for b, t in ((1e3, 2e-3), (1e4, 1e-3), (1e5, 3e-3), (1e6, 4e-3))
+    ]
+    noisy = Profile("test cpu", "cpu", cpu.compute, {"fp32": 2e9}, cores=2, collectives={2: rows})
+    assert [noisy.collective_time(Collective("all_reduce", 2, int(b), "backward")) for b in (1e3, 1e4, 1e5, 1e6)] == (
+        pytest.approx([2e-3, 2e-3, 3e-3, 4e-3])
+    )
     with pytest.raises(ConfigError, match="no all_gather measured"):
         cpu.collective_time(Collective("all_gather", 2, 10**6, "forward"))
 
@@ -240,3 +248,64 @@ def test_the_profile_splits_what_steps_cost_beyond_their_operators_into_each_ste
     found = wrapped_overheads([(plain + 1e-3, 100, tp), (plain + 2.9e-3, 100, fsdp)], eager)
     assert found["dtensor_overhead_s"] == pytest.approx(1e-4)
     assert found["unit_overhead_s"] == pytest.approx(1.05e-3)
+
+
+def test_a_step_s_large_new_storages_are_counted_and_take_their_first_touch_at_the_profile_s_rate():
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from common.distributed import MMAP_THRESHOLD
+    from planner.count import StepCounter
+
+    side = 4096  # a 4096 x 4096 float32 matrix: 64 MiB, over the threshold; a row of it far under
+    with FakeTensorMode():
+        a = torch.empty(side, side)
+        with StepCounter() as counter:
+            big = torch.mm(a, a)  # a new storage: counted
+            torch.empty(side * side)  # an allocation: counted, though it writes nothing yet
+            big.t()  # a view, an in-place update and a small output make no large storage
+            big.add_(1.0)
+            big[0].sum()
+            torch.split_with_sizes(big, [side // 2, side // 2])  # views, not copies
+    fresh = {op.name: op.fresh_bytes for op in counter.count.ops.values()}
+    assert 4 * side * side >= MMAP_THRESHOLD
+    assert fresh["aten.mm"] == fresh["aten.empty"] == 4 * side * side
+    assert {"aten.t", "aten.add_", "aten.sum", "aten.split_with_sizes"} <= set(fresh)  # (seen, and none made one)
+    assert {name for name, n in fresh.items() if n} == {"aten.mm", "aten.empty"}
+    # on a CPU profile that measured the first touch, its bytes at that rate besides the operator's own time
+    op = Op("aten.empty", "forward", 0, 0, 1, fresh_bytes=2 << 30)
+    assert Compute({}, 1e9, 0.0, fresh_bytes_per_s=1e9).op_time(op) == pytest.approx(2.147483648)
+    assert Compute({}, 1e9, 0.0, launch_overlaps=True).op_time(op) == 0  # a GPU's caching allocator keeps its blocks
+
+
+def test_the_measuring_process_maps_no_buffer_afresh():
+    """bench.machine times operators on pages already mapped (the planner adds their first touch apart): after
+    keep_every_page, a 64 MiB buffer comes from the heap, where before it was mapped on its own (glibc)."""
+    import ctypes
+    import subprocess
+    import sys
+
+    try:
+        glibc = hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2")
+    except OSError:
+        glibc = False
+    if not glibc:
+        pytest.skip("glibc 2.33 or later only")
+    script = """
+import ctypes, torch
+from bench.machine import keep_every_page
+FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+class Info(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in FIELDS.split()]
+mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+mallinfo2.restype = Info
+mapped = lambda: mallinfo2().hblkhd
+x = torch.empty(16 << 20)
+before = mapped()
+del x
+keep_every_page()
+x = torch.empty(16 << 20)
+print(before >= 64 << 20, mapped() < 64 << 20)
+"""
+    ended = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert ended.stdout.split() == ["True", "True"], ended.stdout
