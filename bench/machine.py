@@ -111,7 +111,8 @@ def fresh_bytes_per_s(nbytes: int = 64 << 20) -> float:
     kept, on this process's threads."""
     import torch
 
-    from common.distributed import MMAP_THRESHOLD, keep_freed_memory
+    from common.distributed import keep_freed_memory
+    from planner.count import MMAP_THRESHOLD
 
     assert nbytes >= MMAP_THRESHOLD
     keep_freed_memory()

@@ -89,9 +89,6 @@ def setup_distributed(
     return DistEnv(rank, local_rank, world_size, local_world_size, dev, backend)
 
 
-MMAP_THRESHOLD = 32 << 20  # glibc's largest: a buffer this size or more is mapped afresh at each allocation
-
-
 def keep_freed_memory() -> bool:
     """Make glibc keep a step's freed activations mapped for the next step instead of page-faulting them in again
     (docs/performance.md measures it); False where mallopt is not available (macOS, musl): nothing changes."""
@@ -102,7 +99,7 @@ def keep_freed_memory() -> bool:
     except OSError:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h: mmap at 32 MiB (its maximum), trim at 1 GiB
-    return bool(libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+    return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,9 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 PHASES = ("forward", "backward", "optimizer")
+# the mmap threshold common/distributed.keep_freed_memory sets (glibc's largest): a CPU buffer this size or more is
+# mapped afresh at each allocation, its pages zero-filled as they are first written
+MMAP_THRESHOLD = 32 << 20
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 aten = torch.ops.aten
 
@@ -171,8 +174,6 @@ def _nbytes(tree: Any) -> int:
 def _fresh_bytes(func: Any, out: Any) -> int:
     """The bytes of the new storages of MMAP_THRESHOLD or more that a call makes (its outputs that alias no input,
     each storage once: FSDP's all-gather input is a view of its output)."""
-    from common.distributed import MMAP_THRESHOLD
-
     returns = func._schema.returns
     outputs = [out] if len(returns) == 1 else out or ()  # (one return may be a list of tensors: a foreach operator's)
     storages = {

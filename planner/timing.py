@@ -6,8 +6,9 @@ by `python -m bench.machine`). docs/scale.md, "Time", says how to read it.
   call, else `max(FLOPs / achievable FLOP/s, bytes / memory bandwidth)` at its class's rate (a matmul, a
   convolution, attention); its overhead what an eager call costs besides (on a GPU the host's launch, hidden by
   work that takes longer); once a step what the optimizer and autograd's start cost in Python, each DTensor
-  call's dispatch and each FSDP unit's hooks, where the profile measured them. On a CPU, ranks that share the
-  cores more than once (4 processes on 2) get their share.
+  call's dispatch and each FSDP unit's hooks, where the profile measured them. On a CPU, the first touch of each
+  storage of 32 MiB or more the step makes (Op.fresh_bytes: glibc maps it afresh), and ranks that share the cores
+  more than once (4 processes on 2) get their share.
 - **Communication**: every collective at its size on the links its group spans: on a GPU the profile's bus
   bandwidth (nccl-tests' definition) within a node or across the network, plus a latency per call; on this machine
   the time measured for that collective, size and group (bench.collectives' table, interpolated).

@@ -254,8 +254,7 @@ def test_a_step_s_large_new_storages_are_counted_and_take_their_first_touch_at_t
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from common.distributed import MMAP_THRESHOLD
-    from planner.count import StepCounter
+    from planner.count import MMAP_THRESHOLD, StepCounter
 
     side = 4096  # a 4096 x 4096 float32 matrix: 64 MiB, over the threshold; a row of it far under
     with FakeTensorMode():
@@ -278,9 +277,10 @@ def test_a_step_s_large_new_storages_are_counted_and_take_their_first_touch_at_t
     assert Compute({}, 1e9, 0.0, launch_overlaps=True).op_time(op) == 0  # a GPU's caching allocator keeps its blocks
 
 
-def test_the_measuring_process_maps_no_buffer_afresh():
-    """bench.machine times operators on pages already mapped (the planner adds their first touch apart): after
-    keep_every_page, a 64 MiB buffer comes from the heap, where before it was mapped on its own (glibc)."""
+def test_the_runs_map_large_buffers_afresh_and_the_measuring_process_none():
+    """What the first touch is counted for (glibc): with the runs' allocator setting (keep_freed_memory), a buffer of
+    MMAP_THRESHOLD comes mapped on its own and one a MiB smaller from the heap; after keep_every_page, as
+    bench.machine times its operators, neither does."""
     import ctypes
     import subprocess
     import sys
@@ -294,18 +294,21 @@ def test_the_measuring_process_maps_no_buffer_afresh():
     script = """
 import ctypes, torch
 from bench.machine import keep_every_page
+from common.distributed import keep_freed_memory
+from planner.count import MMAP_THRESHOLD
 FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
 class Info(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in FIELDS.split()]
 mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
 mallinfo2.restype = Info
-mapped = lambda: mallinfo2().hblkhd
-x = torch.empty(16 << 20)
-before = mapped()
-del x
+def mapped(nbytes):
+    before = mallinfo2().hblkhd
+    x = torch.empty(nbytes, dtype=torch.uint8)
+    return mallinfo2().hblkhd - before >= nbytes
+keep_freed_memory()
+print(mapped(MMAP_THRESHOLD), mapped(MMAP_THRESHOLD - (1 << 20)))
 keep_every_page()
-x = torch.empty(16 << 20)
-print(before >= 64 << 20, mapped() < 64 << 20)
+print(mapped(MMAP_THRESHOLD), mapped(64 << 20))
 """
     ended = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
-    assert ended.stdout.split() == ["True", "True"], ended.stdout
+    assert ended.stdout.split() == ["True", "False", "False", "False"], ended.stdout
