@@ -117,13 +117,13 @@ def fresh_bytes_per_s(nbytes: int = 64 << 20) -> float:
     assert nbytes >= MMAP_THRESHOLD
     keep_freed_memory()
     kept = torch.empty(nbytes // 4)
-    fill = lambda t: lambda: t.fill_(1.0)  # noqa: E731
-    fresh, reused = [], []
-    for _ in range(MIN_REPEATS * 2):  # (side by side: the machine's speed drifts)
-        for times, run in ((fresh, lambda: fill(torch.empty(nbytes // 4))()), (reused, fill(kept))):
-            started = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - started)
+
+    def fill(buffer: Any = None) -> float:  # a new buffer's seconds, or `buffer`'s
+        started = time.perf_counter()
+        (torch.empty(nbytes // 4) if buffer is None else buffer).fill_(1.0)
+        return time.perf_counter() - started
+
+    fresh, reused = zip(*[(fill(), fill(kept)) for _ in range(MIN_REPEATS * 2)])  # (side by side: the speed drifts)
     return nbytes / max(statistics.median(fresh) - statistics.median(reused), 1e-9)
 
 
@@ -308,6 +308,11 @@ def wrapped_overheads(steps: list[tuple[float, int, Any]], eager: dict[str, floa
     return {"dtensor_overhead_s": dtensor, "unit_overhead_s": unit}
 
 
+def processes_at(threads: int) -> int:
+    """How many processes a run gives `threads` threads each (common/distributed.py: cores / local processes)."""
+    return max(1, CORES // threads)
+
+
 def _measure(threads: Sequence[int], quick: bool, together: Any, results: Any, index: int) -> None:
     """In one of the processes that together load the cores as the runners do: count the steps' operators (and those
     of the eager steps), then time each operator at every thread count in turn, in as many processes at once as
@@ -325,7 +330,7 @@ def _measure(threads: Sequence[int], quick: bool, together: Any, results: Any, i
     for counted in [ops for _, ops in eager] + [count.ops for _, count in wrapped]:
         for op in counted.values():
             ops.setdefault(operator_key(op), op)
-    active = [t for t in threads if index < max(1, CORES // t)]
+    active = [t for t in threads if index < processes_at(t)]
     rows: dict[int, list[Any]] = {t: [] for t in active}
     tables: dict[int, dict[str, float]] = {t: {} for t in active}
     skipped: set[str] = set()
@@ -374,7 +379,7 @@ def measure_compute(threads: Sequence[int], *, quick: bool = False) -> dict[int,
     import multiprocessing
 
     context = multiprocessing.get_context("fork")
-    copies = max(max(1, CORES // t) for t in threads)
+    copies = max(map(processes_at, threads))
     together, results = context.Barrier(copies), context.Queue()
     workers = [context.Process(target=_measure, args=(threads, quick, together, results, i)) for i in range(copies)]
     for worker in workers:

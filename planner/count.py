@@ -330,9 +330,9 @@ class StepCounter(TorchDispatchMode):
             nbytes = _nbytes((args, kwargs)) + (_nbytes(out) or written)
             floats = (t.dtype for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.is_floating_point())
             dtype = DTYPES.get(next(floats, torch.float32), "fp32")
-            self.count.ops[key] = Op(name, phase, flops, nbytes, 0, self._action, call, dtype, shapes, key[0])
+            fresh = _fresh_bytes(func, out)
+            self.count.ops[key] = Op(name, phase, flops, nbytes, 0, self._action, call, dtype, shapes, key[0], fresh)
         self.count.ops[key].calls += 1
-        self.count.ops[key].fresh_bytes = _fresh_bytes(func, out)
         if flops:
             self.count.module_flops[self._module(phase)] += flops
         return out
