@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 4 -m bench.collectives           # 4 KiB .. 256 MiB: runs/collectives/
     torchrun --standalone --nproc-per-node 4 -m bench.collectives --quick   # 3 sizes, a smoke test in seconds
+    torchrun --standalone --nproc-per-node 2 -m bench.collectives --after-compute  # + an all-reduce as a step calls it
     NPROC=3 python -m bench.collectives --ops all_reduce,all_reduce_ring    # checks the flags, then starts torchrun
 
 docs/communication.md says what each op, size and bandwidth is. Each op is checked on known values, then timed
@@ -15,6 +16,7 @@ import bisect
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from datetime import date
@@ -38,6 +40,9 @@ MIN_ITERS, MAX_ITERS = 3, 1000  # nccl-tests times 20 by default; here small mes
 WARMUP_ITERS, WARMUP_S = 5, 0.05  # nccl-tests' default -w 5, fewer where that would take longer than WARMUP_S
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 TIMING = "per op: the slowest rank's mean over back-to-back calls (nccl-tests -a 3)"
+# --after-compute: an all-reduce of TP's size in the ViT (512 KiB) after 8 ms of matmuls, about what a step computes
+# between two of its collectives (the ViT's TP: 6 ms; an FSDP unit: 5-30 ms); rounds interleaved, the median kept
+AFTER_COMPUTE_S, AFTER_BYTES, AFTER_ROUNDS, AFTER_TARGET_S = 0.008, 512 << 10, 5, 0.5
 RUNTIME_MIB = 600  # a CPU worker's peak RSS besides its messages: 526 MiB measured with 1 MiB messages (torch, gloo)
 
 
@@ -87,6 +92,7 @@ def parse_args(argv: Sequence[str], world_size: int) -> argparse.Namespace:
     add("--max-bytes", default="268435456", help="largest message (bytes; K, M, G)")
     add("--ops", default=",".join(OPS), help="which ops, comma-separated")
     add("--quick", action="store_true", help="every 16th size up to 1 MiB, briefly: a smoke test")
+    add("--after-compute", action="store_true", help="also what an all-reduce costs after compute, beyond the table")
     args = parser.parse_args(argv)
     args.min_bytes = parse_bytes("--min-bytes", args.min_bytes)
     args.max_bytes = parse_bytes("--max-bytes", args.max_bytes)
@@ -210,6 +216,48 @@ def time_op(call: Callable[[], object] | None, env: DistEnv, *, target_s: float)
     return every_rank(timed(iters), env), iters
 
 
+def time_after_compute(env: DistEnv, *, quick: bool) -> dict[str, Any]:
+    """What an all-reduce costs a training step beyond the table's back-to-back time. A step calls each collective
+    after computing, and each rank arrives when its own compute ends: the ranks' compute holds the cores, the peer's
+    gloo threads must be woken and scheduled, and the first to arrive waits for the last. Timed here as the
+    all-reduce of AFTER_BYTES after AFTER_COMPUTE_S of matmuls, less the matmuls alone and the back-to-back
+    all-reduce, per call; the three in turn each round (this machine's speed drifts), the slowest rank's, the median
+    over the rounds. (A GPU's collectives run on their own stream beside compute: this is gloo's.)"""
+    import torch
+    import torch.distributed as dist
+
+    whole = torch.zeros(AFTER_BYTES // FLOAT32)
+    a = torch.randn(128, 128)
+
+    def matmuls(count: int) -> None:
+        for _ in range(count):
+            a @ a
+
+    def mean_s(matmul_count: int, reduce: bool, iters: int) -> float:
+        dist.barrier()
+        started = time.perf_counter()
+        for _ in range(iters):
+            matmuls(matmul_count)
+            if reduce:
+                dist.all_reduce(whole)
+        return max(every_rank((time.perf_counter() - started) / iters, env))
+
+    matmuls(20)
+    started = time.perf_counter()
+    matmuls(100)
+    count = max(1, round(AFTER_COMPUTE_S / max(every_rank((time.perf_counter() - started) / 100, env))))
+    back_to_back = mean_s(0, True, 10)
+    target, rounds = (QUICK_TARGET_S, 1) if quick else (AFTER_TARGET_S, AFTER_ROUNDS)
+    iters = {True: max(MIN_ITERS, round(target / back_to_back)), False: max(MIN_ITERS, round(target / AFTER_COMPUTE_S))}
+    measured = [
+        {"compute_s": mean_s(count, False, iters[False]), "after_s": mean_s(count, True, iters[False])}
+        | {"back_to_back_s": mean_s(0, True, iters[True])}
+        for _ in range(rounds)
+    ]
+    extra = [r["after_s"] - r["compute_s"] - r["back_to_back_s"] for r in measured]
+    return dict(bytes=AFTER_BYTES, matmuls=count, rounds=measured, extra_s=statistics.median(extra))
+
+
 def measure(args: argparse.Namespace, env: DistEnv, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """Every op at every size, checked first; rank 0 logs the table as it goes."""
     import torch
@@ -252,8 +300,14 @@ def worker(argv: list[str]) -> None:
     env = setup_distributed()
     log = RankLogger(env.is_main)
     try:
+        if args.after_compute and env.device.type != "cpu":  # (every rank: they stop together)
+            raise UserError("--after-compute: times gloo on CPUs, whose cores compute and reduce; leave it out on GPUs")
         watch = LoadWatch()
         results = measure(args, env, log)
+        after = time_after_compute(env, quick=args.quick) if args.after_compute else None
+        if after:
+            extra = f"{after['extra_s'] * 1e3:+.2f} ms"
+            log(f"# an all-reduce of {human(after['bytes'])} after compute: {extra} beyond the table's")
         wall_s = watch.elapsed_s()
         ranks_cpu_s = sum(every_rank(cpu_seconds()[1] - watch.cpu_before[1], env))  # every thread of every rank
         peak_rss = int(max(every_rank(peak_rss_bytes() or 0, env)))
@@ -266,6 +320,8 @@ def worker(argv: list[str]) -> None:
         report |= dict(torch=torch.__version__, date=date.today().isoformat(), machine=cpu_name(), cores=CORES)
         report |= dict(command=" ".join([command, *argv]), timing=TIMING, wall_s=wall_s, load_before=watch.load_before)
         report |= dict(other_processes_cores=other_cores, peak_rss_bytes=peak_rss, results=results)
+        if after:
+            report["after_compute"] = after
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "collectives.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -15,7 +15,7 @@
   64 MiB on new pages against one into a buffer kept, at each thread count. The operators are then timed on pages
   already mapped (keep_every_page), and the planner adds the first touch of each large storage a step makes;
 - **Collectives**: `bench.collectives` (nccl-tests' definitions) at every group size the runners start, 1 KiB to
-  64 MiB.
+  64 MiB, and what an all-reduce costs a step after its compute beyond that table (`--after-compute`).
 - **Overhead**, of the real eager step: training steps of BabyCNN and of the ViT (two sizes each) at a batch of
   2 timed, less their operators' times alone (timed between two timings of the step: the machine's speed
   drifts), fit as a cost once a step plus one per call that runs a kernel (Python, modules, autograd); steps of
@@ -411,15 +411,16 @@ def measure_compute(threads: Sequence[int], *, quick: bool = False) -> dict[int,
     return found
 
 
-def measure_collectives(group_sizes: Sequence[int], out: Path, *, quick: bool) -> dict[int, list[dict[str, Any]]]:
-    """bench.collectives' rows at each group size, launched as a user would (torchrun)."""
+def measure_collectives(group_sizes: Sequence[int], out: Path, *, quick: bool) -> dict[int, dict[str, Any]]:
+    """bench.collectives' report at each group size (its rows, and an all-reduce after compute), launched as a user
+    would (torchrun)."""
     found = {}
     for n in group_sizes:
         folder = out / f"collectives-{n}"
-        sizes = ["--min-bytes", "1K", "--max-bytes", "1M" if quick else "64M"]
-        command = [*torchrun(n), "-m", "bench.collectives", "--out", str(folder), "--ops", ",".join(OPS), *sizes]
+        flags = ["--min-bytes", "1K", "--max-bytes", "1M" if quick else "64M", "--after-compute"]
+        command = [*torchrun(n), "-m", "bench.collectives", "--out", str(folder), "--ops", ",".join(OPS), *flags]
         subprocess.run(command, cwd=ROOT, env=launch_env(n), check=True, stdout=subprocess.DEVNULL)
-        found[n] = json.loads((folder / "collectives.json").read_text())["results"]
+        found[n] = json.loads((folder / "collectives.json").read_text())
     return found
 
 
@@ -450,11 +451,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cores": CORES,
         "peak_flops": peak,
         "compute": {str(t): c for t, c in compute.items()},
-        "collectives": {str(n): rows for n, rows in collectives.items()},
+        "collectives": {str(n): report["results"] for n, report in collectives.items()},
+        "collective_after_compute_s": {str(n): report["after_compute"]["extra_s"] for n, report in collectives.items()},
         "overlap": False,
         "sources": {
             "compute": "python -m bench.machine: the suite's models' operators, timed here (bench/machine.py)",
             "collectives": "python -m bench.collectives at each group size, 1 KiB to 64 MiB",
+            "collective_after_compute_s": "python -m bench.collectives --after-compute: 512 KiB after 8 ms of compute",
             "peak_flops": "a 2048^3 matmul on all cores, fp32 and bf16 (bench/ceilings.py)",
             "overlap": "gloo reduces on the cores that compute: nothing hides (docs/scale.md, Time)",
         },

@@ -11,7 +11,8 @@ by `python -m bench.machine`). docs/scale.md, "Time", says how to read it.
   more than once (4 processes on 2) get their share.
 - **Communication**: every collective at its size on the links its group spans: on a GPU the profile's bus
   bandwidth (nccl-tests' definition) within a node or across the network, plus a latency per call; on this machine
-  the time measured for that collective, size and group (bench.collectives' table, interpolated).
+  the time measured for that collective, size and group (bench.collectives' table, interpolated), plus what a
+  collective costs a step after its compute beyond that back-to-back time, where the profile measured it.
 - **Overlap**: on a GPU, collectives run beside compute on their own stream: DDP's bucket all-reduces beside the
   rest of backward, FSDP's prefetched all-gathers beside the previous unit, its reduce-scatters beside the next; n
   chunks of compute C and communication A overlapped take max(C + A / n, A + C / n) (one chunk of each is
@@ -119,7 +120,8 @@ class Profile:
     """A machine: how fast one rank computes and how fast its collectives are. `kind` "gpu": one rank per device,
     `devices_per_node` per node, `links` {"node", "network"}: {"busbw_bytes_per_s", "latency_s"}. `kind` "cpu":
     `cores` shared by the ranks, compute by threads per rank, `collectives` {group size: bench.collectives rows}
-    (none: a machine measured for one process)."""
+    (none: a machine measured for one process), `after_compute` {group size: seconds a collective costs after
+    compute beyond its row's, bench.collectives --after-compute}."""
 
     name: str
     kind: str
@@ -129,6 +131,7 @@ class Profile:
     cores: int = 1
     links: dict[str, dict[str, float]] = field(default_factory=dict)
     collectives: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    after_compute: dict[int, float] = field(default_factory=dict)
     overlap: bool = False
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -152,7 +155,11 @@ class Profile:
             # gloo has no reduce-scatter of its own for DTensor's functional collective: it all-reduces the whole
             # tensor (docs/tp.md)
             kind = "all_reduce" if c.functional and kind == "reduce_scatter" else kind
-            return self._measured_time(kind, c.group_size, c.bytes)
+            # a step's collective follows compute: the peers' gloo threads woken on cores their compute holds, the
+            # first rank waiting for the last (bench.collectives --after-compute), at the nearest group measured
+            nearest = min(self.after_compute, key=lambda n: abs(n - c.group_size), default=None)
+            after = max(0.0, self.after_compute[nearest]) if nearest is not None and c.group_size > 1 else 0.0
+            return self._measured_time(kind, c.group_size, c.bytes) + after
         first, stride = c.first_and_stride
         spans = (first + (c.group_size - 1) * stride) // self.devices_per_node != first // self.devices_per_node
         link = self.links["network" if spans else "node"]
@@ -234,6 +241,7 @@ def load_profile(name: str) -> Profile:
             cores=int(data.get("cores", 1)),
             links=data.get("links", {}),
             collectives={int(n): rows for n, rows in data.get("collectives", {}).items()},
+            after_compute={int(n): float(s) for n, s in data.get("collective_after_compute_s", {}).items()},
             overlap=bool(data.get("overlap", False)),
             sources=data.get("sources", {}),
         )

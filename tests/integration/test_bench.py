@@ -99,12 +99,13 @@ def test_pipeline_ceiling_is_the_heaviest_stage_on_one_core(report):
 def test_the_collective_benchmark_in_nccl_tests_terms(tmp_path):
     """python -m bench.collectives --quick on 2 processes: every op at a few sizes, time > 0, algbw = size / time,
     busbw = algbw x nccl-tests' factor (2(n-1)/n = 1 for an all-reduce of 2 ranks, (n-1)/n = 0.5 for all-gather),
-    the JSON, the table and the figure."""
+    the JSON, the table and the figure; --after-compute: an all-reduce after compute, less the compute alone and the
+    back-to-back all-reduce."""
     from bench.collectives import OPS, bus_factor
 
     proc = run_command(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        + ["-m", "bench.collectives", "--quick", "--out", str(tmp_path)],
+        + ["-m", "bench.collectives", "--quick", "--after-compute", "--out", str(tmp_path)],
         timeout=240,
     )
     report = json.loads((tmp_path / "collectives.json").read_text())
@@ -114,3 +115,9 @@ def test_the_collective_benchmark_in_nccl_tests_terms(tmp_path):
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * bus_factor(r["op"], 2), rel=1e-6)
     assert bus_factor("all_reduce", 2) == 1 and bus_factor("all_gather", 2) == 0.5
     assert (tmp_path / "collectives.png").stat().st_size > 0 and "all_reduce_ring" in proc.stdout
+    after = report["after_compute"]
+    [measured] = after["rounds"]  # --quick: one round
+    assert after["bytes"] == 512 << 10 and after["matmuls"] >= 1 and positive(measured["back_to_back_s"])
+    assert measured["after_s"] > measured["compute_s"] > 0  # the all-reduce after the same compute adds its time
+    assert after["extra_s"] == pytest.approx(measured["after_s"] - measured["compute_s"] - measured["back_to_back_s"])
+    assert "an all-reduce of 512 KiB after compute" in proc.stdout

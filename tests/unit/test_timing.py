@@ -116,6 +116,28 @@ def test_a_cpu_collective_takes_what_was_measured_and_beyond_it_the_largest_size
         cpu.collective_time(Collective("all_gather", 2, 10**6, "forward"))
 
 
+def test_a_cpu_collective_costs_a_step_what_was_measured_after_compute_beyond_its_row(tmp_path):
+    from dataclasses import asdict
+
+    cpu = cpu_profile()
+    cpu.after_compute = {2: 2e-3, 4: 5e-3}  # bench.collectives --after-compute, per group size
+    assert cpu.collective_time(Collective("all_reduce", 2, 10**6, "backward")) == pytest.approx(1e-3 + 2e-3)
+    assert cpu.collective_time(Collective("all_reduce", 8, 10**6, "backward")) == pytest.approx(
+        1e-3 * (2 * 7 / 8) + 5e-3  # the bus bandwidth at 2 ranks', the cost after compute at 4's: the nearest
+    )
+    assert cpu.collective_time(Collective("recv", 2, 10**6, "forward")) == 0  # counted at its sender
+    cpu.after_compute = {2: -1e-4}  # a measurement the noise took below zero costs nothing, not less than the row
+    assert cpu.collective_time(Collective("all_reduce", 2, 10**6, "backward")) == pytest.approx(1e-3)
+    # what bench.machine writes, read back; a profile measured before it had none: the row's time alone
+    data = {k: v for k, v in asdict(cpu_profile()).items() if k not in ("compute", "after_compute")}
+    data["compute"] = {"1": {"flops": {"matmul": 1e9}, "memory_bytes_per_s": 1e9, "op_overhead_s": 0.0}}
+    for written, expected in (({"2": 2e-3}, 3e-3), (None, 1e-3)):
+        path = tmp_path / "profile.json"
+        path.write_text(json.dumps({**data, **({"collective_after_compute_s": written} if written else {})}))
+        loaded = load_profile(str(path))
+        assert loaded.collective_time(Collective("all_reduce", 2, 10**6, "backward")) == pytest.approx(expected)
+
+
 def test_the_pipeline_s_step_is_its_schedule_simulated():
     # two stages of 1 ms per forward and 2 ms per backward, 2 micro-batches in GPipe's order: stage 1 runs 1-3 ms
     # forward and 3-7 ms backward, stage 0 waits for each of its gradients: 5-7 and 7-9 ms. 9 ms, idle 1 - 12 / 18
