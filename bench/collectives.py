@@ -41,7 +41,7 @@ WARMUP_ITERS, WARMUP_S = 5, 0.05  # nccl-tests' default -w 5, fewer where that w
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 TIMING = "per op: the slowest rank's mean over back-to-back calls (nccl-tests -a 3)"
 # --after-compute: an all-reduce of TP's size in the ViT (512 KiB) after 8 ms of matmuls, about what a step computes
-# between two of its collectives (the ViT's TP: 6 ms; an FSDP unit: 5-30 ms); rounds interleaved, the median kept
+# between two of its collectives (the ViT under TP: 6 ms); rounds interleaved, the median kept
 AFTER_COMPUTE_S, AFTER_BYTES, AFTER_ROUNDS, AFTER_TARGET_S = 0.008, 512 << 10, 5, 0.5
 RUNTIME_MIB = 600  # a CPU worker's peak RSS besides its messages: 526 MiB measured with 1 MiB messages (torch, gloo)
 
