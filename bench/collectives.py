@@ -184,36 +184,41 @@ def every_rank(value: float, env: DistEnv) -> list[float]:
     return values.tolist()
 
 
-def time_op(call: Callable[[], object] | None, env: DistEnv, *, target_s: float) -> tuple[list[float], int]:
-    """(each rank's mean seconds per call, 0.0 on a rank that sits out; the calls timed, the same on every rank)."""
+def mean_s(call: Callable[[], object] | None, count: int, env: DistEnv) -> float:
+    """This rank's mean seconds over `count` back-to-back calls, after a barrier has lined the ranks up (0.0 on a
+    rank that sits out)."""
     import torch
     import torch.distributed as dist
+
+    dist.barrier()
+    if call is None:
+        return 0.0
+    if env.device.type == "cuda":  # the GPU's clock: a call returns once it is queued on the stream, not done
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(count):
+            call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / count
+    started = time.perf_counter()
+    for _ in range(count):
+        call()
+    return (time.perf_counter() - started) / count
+
+
+def time_op(call: Callable[[], object] | None, env: DistEnv, *, target_s: float) -> tuple[list[float], int]:
+    """(each rank's mean seconds per call, 0.0 on a rank that sits out; the calls timed, the same on every rank)."""
 
     def calls(count: int) -> None:
         for _ in range(count if call is not None else 0):
             call()
 
-    def timed(count: int) -> float:
-        """This rank's mean seconds over `count` back-to-back calls, after a barrier has lined the ranks up."""
-        dist.barrier()
-        if call is None:
-            return 0.0
-        if env.device.type == "cuda":  # the GPU's clock: a call returns once it is queued on the stream, not done
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            calls(count)
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3 / count
-        started = time.perf_counter()
-        calls(count)
-        return (time.perf_counter() - started) / count
-
     calls(1)  # the first call sets up gloo's pairs or NCCL's communicator and touches the pages: not timed
-    one = max(max(every_rank(timed(1), env)), 1e-9)  # a second call, timed: how many fit in target_s
+    one = max(max(every_rank(mean_s(call, 1, env), env)), 1e-9)  # a second call, timed: how many fit in target_s
     calls(min(WARMUP_ITERS - 2, int(WARMUP_S / one)))  # the rest of the warm-up, if it is cheap
     iters = min(MAX_ITERS, max(MIN_ITERS, math.ceil(target_s / one)))
-    return every_rank(timed(iters), env), iters
+    return every_rank(mean_s(call, iters, env), env), iters
 
 
 def time_after_compute(env: DistEnv, *, quick: bool) -> dict[str, Any]:
@@ -229,29 +234,25 @@ def time_after_compute(env: DistEnv, *, quick: bool) -> dict[str, Any]:
     whole = torch.zeros(AFTER_BYTES // FLOAT32)
     a = torch.randn(128, 128)
 
-    def matmuls(count: int) -> None:
-        for _ in range(count):
-            a @ a
+    def slowest_s(matmul_count: int, reduce: bool, iters: int) -> float:
+        """The slowest rank's mean seconds per call of `matmul_count` matmuls, then the all-reduce if `reduce`."""
 
-    def mean_s(matmul_count: int, reduce: bool, iters: int) -> float:
-        dist.barrier()
-        started = time.perf_counter()
-        for _ in range(iters):
-            matmuls(matmul_count)
+        def call() -> None:
+            for _ in range(matmul_count):
+                a @ a
             if reduce:
                 dist.all_reduce(whole)
-        return max(every_rank((time.perf_counter() - started) / iters, env))
 
-    matmuls(20)
-    started = time.perf_counter()
-    matmuls(100)
-    count = max(1, round(AFTER_COMPUTE_S / max(every_rank((time.perf_counter() - started) / 100, env))))
-    back_to_back = mean_s(0, True, 10)
+        return max(every_rank(mean_s(call, iters, env), env))
+
+    slowest_s(20, False, 1)  # warm-up
+    count = max(1, round(AFTER_COMPUTE_S / slowest_s(1, False, 100)))
+    back_to_back = slowest_s(0, True, 10)
     target, rounds = (QUICK_TARGET_S, 1) if quick else (AFTER_TARGET_S, AFTER_ROUNDS)
     iters = {True: max(MIN_ITERS, round(target / back_to_back)), False: max(MIN_ITERS, round(target / AFTER_COMPUTE_S))}
     measured = [
-        {"compute_s": mean_s(count, False, iters[False]), "after_s": mean_s(count, True, iters[False])}
-        | {"back_to_back_s": mean_s(0, True, iters[True])}
+        {"compute_s": slowest_s(count, False, iters[False]), "after_s": slowest_s(count, True, iters[False])}
+        | {"back_to_back_s": slowest_s(0, True, iters[True])}
         for _ in range(rounds)
     ]
     extra = [r["after_s"] - r["compute_s"] - r["back_to_back_s"] for r in measured]

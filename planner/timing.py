@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,11 @@ class Compute:
         return sum(self.op_parts(op))
 
 
+def nearest(measured: Iterable[int], n: int) -> int:
+    """The size measured nearest to `n` (threads, ranks in a group); between two as near, the larger."""
+    return min(measured, key=lambda m: (abs(m - n), -m))
+
+
 @dataclass
 class Profile:
     """A machine: how fast one rank computes and how fast its collectives are. `kind` "gpu": one rank per device,
@@ -144,7 +150,7 @@ class Profile:
         return 1 if self.kind == "gpu" else max(1, self.cores // procs_per_node)
 
     def for_threads(self, threads: int) -> Compute:
-        return self.compute.get(threads) or self.compute[min(self.compute, key=lambda t: abs(t - threads))]
+        return self.compute[nearest(self.compute, threads)]
 
     def collective_time(self, c: Collective) -> float:
         """One collective's seconds: its bytes over the links its group spans (a GPU), or as measured here."""
@@ -157,8 +163,9 @@ class Profile:
             kind = "all_reduce" if c.functional and kind == "reduce_scatter" else kind
             # a step's collective follows compute: the peers' gloo threads woken on cores their compute holds, the
             # first rank waiting for the last (bench.collectives --after-compute), at the nearest group measured
-            nearest = min(self.after_compute, key=lambda n: abs(n - c.group_size), default=None)
-            after = max(0.0, self.after_compute[nearest]) if nearest is not None and c.group_size > 1 else 0.0
+            after = 0.0
+            if self.after_compute and c.group_size > 1:
+                after = max(0.0, self.after_compute[nearest(self.after_compute, c.group_size)])
             return self._measured_time(kind, c.group_size, c.bytes) + after
         first, stride = c.first_and_stride
         spans = (first + (c.group_size - 1) * stride) // self.devices_per_node != first // self.devices_per_node
@@ -179,7 +186,7 @@ class Profile:
             raise ConfigError(
                 f"--profile: {self.name} has no {op} measured on {ranks} processes: python -m bench.machine --procs"
             )
-        measured = min(sizes, key=lambda n: (abs(n - ranks), -n))  # the group size measured nearest
+        measured = nearest(sizes, ranks)
         rows = sorted((r for r in self.collectives[measured] if r["op"] == op), key=lambda r: r["bytes"])
         # each size between two others at the median of the three: a time that rises with the size stays as it is,
         # one size this VM's noise put out of line does not decide every collective of that size (TP's all-reduces)
