@@ -413,13 +413,14 @@ def measure_compute(threads: Sequence[int], *, quick: bool = False) -> dict[int,
 
 def measure_collectives(group_sizes: Sequence[int], out: Path, *, quick: bool) -> dict[int, dict[str, Any]]:
     """bench.collectives' report at each group size (its rows, and an all-reduce after compute), launched as a user
-    would (torchrun)."""
+    would (torchrun), on the CPU even where there are GPUs: the profile is of this machine's cores and their gloo."""
     found = {}
     for n in group_sizes:
         folder = out / f"collectives-{n}"
         flags = ["--min-bytes", "1K", "--max-bytes", "1M" if quick else "64M", "--after-compute"]
         command = [*torchrun(n), "-m", "bench.collectives", "--out", str(folder), "--ops", ",".join(OPS), *flags]
-        subprocess.run(command, cwd=ROOT, env=launch_env(n), check=True, stdout=subprocess.DEVNULL)
+        cpu_only = launch_env(n, CUDA_VISIBLE_DEVICES="")  # setup_distributed then picks gloo on the CPU
+        subprocess.run(command, cwd=ROOT, env=cpu_only, check=True, stdout=subprocess.DEVNULL)
         found[n] = json.loads((folder / "collectives.json").read_text())
     return found
 
