@@ -57,7 +57,9 @@ def test_the_ring_equals_dist_all_reduce(runs, n):
 
 def test_ddp_through_the_ring_is_on_the_builtin_curve(runs):
     assert len(losses(runs / "ring")) == RING_STEPS
-    assert_follows(runs / "ring", runs / "builtin", loss=2e-6, grad_norm=3e-7)  # measured: 2.4e-7 and 3.3e-8
+    # measured: 2.4e-7 and 3.3e-8 on an AVX2 EPYC, 1.2e-7 and 4.4e-7 on an AVX-512 Xeon (one step: the ring's other
+    # order of adding, grown by AdamW); a chunk added twice or left out changes a quarter of the gradient by its size
+    assert_follows(runs / "ring", runs / "builtin", loss=2e-6, grad_norm=2e-6)
     assert read_run(runs / "ring")["config"]["allreduce"] == "ring"
 
 

@@ -173,10 +173,11 @@ def test_checkpoints_move_between_ddp_and_the_pipeline(pipelines, ref, tmp_path)
     # DDP's 12-step checkpoint resumed by 2 pipelines x 2 stages (FSDP2-sharded stages)
     assert_resumed(pipelines / "from-ddp", 12, printed(pipelines / "from-ddp"), source=ref)
     assert_follows(pipelines / "from-ddp", ref, **FOLLOWS, steps=range(13, STEPS + 1))
-    # the pipeline's checkpoint (8 stages over 4 ranks) resumed by one DDP process
+    # the pipeline's checkpoint (8 stages over 4 ranks) resumed by one DDP process, on the reference's one thread
     out = tmp_path / "ddp-from-pipeline"
     shutil.copytree(pipelines / "part1", out)
-    assert_resumed(out, 12, launch("train_ddp.py", 1, [*PP_PARITY, "--resume"], out).stdout, source=pipelines / "part1")
+    resumed = launch("train_ddp.py", 1, [*PP_PARITY, "--threads", "1", "--resume"], out)
+    assert_resumed(out, 12, resumed.stdout, source=pipelines / "part1")
     assert_follows(out, ref, **FOLLOWS, steps=range(13, STEPS + 1))
 
 
