@@ -24,6 +24,8 @@ from common.versions import Need, older_than
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH_TIMEOUT_S = 240
 
+# The 1-process references' thread: each rank's on a 2-core machine (tests/integration/conftest.py says why)
+ONE_THREAD = ["--threads", "1"]
 # Small and fast, but the real thing: the built-in data set, cut down.
 SMALL = ["--train-size", "1536", "--test-size", "256", "--log-every", "1000"]
 PARITY_STEPS = 30

@@ -31,7 +31,7 @@ import pytest
 from common.cli import build_parser
 from common.config import STRATEGIES
 from common.versions import Need, newer_needs, older_than
-from tests.helpers import PARITY, PP_PARITY, SGD, Run, start_many
+from tests.helpers import ONE_THREAD, PARITY, PP_PARITY, SGD, Run, start_many
 
 LAUNCH_TIMEOUT_S = 1200  # the 4-process launch trains 89 runs (~3 min alone here); a hung collective fails in 120 s
 
@@ -43,7 +43,6 @@ LAUNCH_TIMEOUT_S = 1200  # the 4-process launch trains 89 runs (~3 min alone her
 # and TP run stayed within 7e-8 of the 1-thread one). `sgd` is SGD's on two threads, `sgd_1thread` on one (SGD's
 # tolerance covers both). `pipeline` is the smaller run the pipeline tests compare with, with a checkpoint after
 # step 12 for a pipeline to resume and an evaluation after step 10 for the 10-step runs.
-ONE_THREAD = ["--threads", "1"]
 REFERENCES = {
     "adamw": Run("ddp", [*PARITY, *ONE_THREAD], nproc=1),
     "sgd": Run("ddp", [*PARITY, *SGD, "--threads", "2"], nproc=1),

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (
+    ONE_THREAD,
     PARITY,
     PARITY_STEPS,
     PP_PARITY,
@@ -51,7 +52,7 @@ POOLED = {
     # dropout on (the default 0.1): each rank its own masks, seen by probes (tests/integration/workers/observe.py)
     "seeding3": Run("ddp", [*SMALL, "--max-steps", "2", "--batch-size", "48"], nproc=3, observe=True),
     "decay4": Run("ddp", DECAY),
-    "decay": Run("ddp", DECAY, nproc=1),
+    "decay": Run("ddp", [*DECAY, *ONE_THREAD], nproc=1),  # on the reference's thread: its first step is adamw's
     # the 1-process run's step-12 checkpoint resumed on 4 ranks (in a copy of that run as it stood then)
     "from1": Run("ddp", [*PP_PARITY, "--resume"], rewound_from=("references/pipeline", 12)),
 }

@@ -11,6 +11,7 @@ import pytest
 
 from common.versions import NEEDS_TP, NEEDS_V
 from tests.helpers import (
+    ONE_THREAD,
     PP_PARITY,
     Run,
     assert_follows,
@@ -176,7 +177,7 @@ def test_checkpoints_move_between_ddp_and_the_pipeline(pipelines, ref, tmp_path)
     # the pipeline's checkpoint (8 stages over 4 ranks) resumed by one DDP process, on the reference's one thread
     out = tmp_path / "ddp-from-pipeline"
     shutil.copytree(pipelines / "part1", out)
-    resumed = launch("train_ddp.py", 1, [*PP_PARITY, "--threads", "1", "--resume"], out)
+    resumed = launch("train_ddp.py", 1, [*PP_PARITY, *ONE_THREAD, "--resume"], out)
     assert_resumed(out, 12, resumed.stdout, source=pipelines / "part1")
     assert_follows(out, ref, **FOLLOWS, steps=range(13, STEPS + 1))
 
