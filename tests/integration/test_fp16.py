@@ -10,8 +10,8 @@ import pytest
 from tests.helpers import SMALL, Run, assert_follows, assert_resumed, printed, read_metrics, read_run
 
 STEPS = 20
-# docs/precision.md's runs at a quarter of their batch: on a CPU without fp16 kernels a convolution's fp16 weight
-# gradient runs oneDNN's reference code (BabyCNN's second layer at 64 samples, one thread of an AVX-512 Xeon: 9.2 s
+# docs/precision.md's runs at a quarter of their batch: on an AVX-512 Xeon, torch 2.14.1's oneDNN computes a
+# convolution's fp16 weight gradient in its reference code (BabyCNN's second layer at 64 samples, one thread: 9.2 s
 # against fp32's 16 ms), and a step's time grows with its samples, while what is checked here (the skips, the scale,
 # the resume) does not depend on them
 FP16 = [
