@@ -9,27 +9,29 @@ import pytest
 
 from tests.helpers import SMALL, Run, assert_follows, assert_resumed, printed, read_metrics, read_run
 
-STEPS = 20
-# docs/precision.md's runs at a quarter of their batch: on an AVX-512 Xeon, torch 2.14.1's oneDNN computes a
-# convolution's fp16 weight gradient in its reference code (BabyCNN's second layer at 64 samples, one thread: 9.2 s
-# against fp32's 16 ms), and a step's time grows with its samples, while what is checked here (the skips, the scale,
-# the resume) does not depend on them
+STEPS = 12
+SAVED = 5  # the checkpoint the resumed runs start from, written while every step so far had been skipped
+# docs/precision.md's runs at an eighth of their batch and from a lower scale: on an AVX-512 Xeon, torch 2.14.1's
+# oneDNN computes a convolution's fp16 weight gradient in its reference code (BabyCNN's second layer at 64 samples,
+# one thread: 9.2 s against fp32's 16 ms), and a step's time grows with its samples, while what is checked here
+# (the skips, the scale, the resume) does not depend on them
 FP16 = [
     *SMALL,
-    *("--precision", "fp16", "--dropout", "0", "--lr", "1e-4", "--batch-size", "16"),
+    *("--precision", "fp16", "--dropout", "0", "--lr", "1e-4", "--batch-size", "8"),
     *("--max-steps", str(STEPS), "--warmup-steps", "4"),
 ]
-S = 2**30  # far above what fp16 holds: the first ~11 steps overflow and halve the scale down to where it fits
+S = 2**24  # far above what fp16 holds: the first 7 steps overflow and halve the scale down to where it fits
+FORCED = 7
 OVERFLOW = ["--loss-scale-growth-interval", "3"]  # then doubling every 3 steps finds the edge again and again
 
 
 def overflow(scale: int) -> list[str]:
-    return [*FP16, *OVERFLOW, "--loss-scale", str(scale), "--checkpoint-every", "10"]
+    return [*FP16, *OVERFLOW, "--loss-scale", str(scale), "--checkpoint-every", str(SAVED)]
 
 
 # A rank's loss is the mean over its share of the batch, so each of W data-parallel ranks forms fp16 gradients
 # W times those of one process at the same scale, and the pipeline's micro-batch sums cover fewer samples: the
-# one-process run with the same fp16 tensors is --grad-accum-steps 4 (chunks of 16), at the scale x W for DDP
+# one-process run with the same fp16 tensors is --grad-accum-steps 4 (chunks of 2), at the scale x W for DDP
 # and FSDP. TP's ranks each run the whole batch: one process as it is. FSDP computes in fp16 parameters (not
 # autocast): its reference is FSDP on one process. (Against one process that sums in another order, at the
 # default scale, each strategy stays ~1e-3 away: docs/precision.md measures it; here, the same sums, 1e-4.)
@@ -42,7 +44,7 @@ POOLED = {
     "pp-ovf": Run("pippy", overflow(S), nproc=2),  # (2 stages, the same 4 micro-batches)
     "tp-ovf": Run("tp", overflow(S), nproc=2),
     **{
-        f"{name}-resumed": Run(strategy, [*overflow(scale), "--resume"], nproc=n, rewound_from=(f"fp16/{name}", 10))
+        f"{name}-resumed": Run(strategy, [*overflow(scale), "--resume"], nproc=n, rewound_from=(f"fp16/{name}", SAVED))
         for name, strategy, scale, n in (
             ("ddp-ovf", "ddp", S // 4, 4),
             ("fsdp-ovf", "fsdp", S // 4, 4),
@@ -79,7 +81,7 @@ def test_a_forced_overflow_skips_the_same_steps_as_one_process_then_the_same_cur
     twin = TWINS[name]
     steps = skipped(runs / name)
     assert steps == skipped(runs / twin)
-    assert steps[:11] == list(range(1, 12)) and len(steps) > 11  # the forced steps, then the edge found again
+    assert steps[:FORCED] == list(range(1, FORCED + 1)) and len(steps) > FORCED  # forced, then the edge found again
     assert_follows(runs / name, runs / twin, loss=1e-4)  # (grad_norm: null on the skipped steps)
     # every rank and stage decided alike (run.json: each rank's own skipped steps)
     run = read_run(runs / name)
@@ -90,15 +92,15 @@ def test_a_forced_overflow_skips_the_same_steps_as_one_process_then_the_same_cur
 
 @pytest.mark.parametrize("name", ["ddp-ovf", "fsdp-ovf", "pp-ovf"])
 def test_an_fp16_run_resumed_repeats_the_run_bit_for_bit(runs, name):
-    assert_resumed(runs / f"{name}-resumed", 10, printed(runs / f"{name}-resumed"), source=runs / name)
+    assert_resumed(runs / f"{name}-resumed", SAVED, printed(runs / f"{name}-resumed"), source=runs / name)
     full, resumed = read_metrics(runs / name)[0], read_metrics(runs / f"{name}-resumed")[0]
     assert sorted(full) == sorted(resumed) == list(range(1, STEPS + 1))
     for step in full:  # the loss, the scale and the skip decision of every step, the resumed ones included
         assert {k: full[step][k] for k in ("loss", "loss_scale", "skipped", "grad_norm")} == {
             k: resumed[step][k] for k in ("loss", "loss_scale", "skipped", "grad_norm")
         }
-    meta = json.loads((runs / name / "checkpoints" / "step_0000010" / "meta.json").read_text())
-    assert meta["loss_scaler"]["value"] == read_metrics(runs / name)[0][11]["loss_scale"]
+    meta = json.loads((runs / name / "checkpoints" / f"step_{SAVED:07d}" / "meta.json").read_text())
+    assert meta["loss_scaler"]["value"] == read_metrics(runs / name)[0][SAVED + 1]["loss_scale"]
 
 
 def test_one_ranks_overflow_is_every_ranks_skip(runs):
