@@ -63,11 +63,13 @@ DEFAULTS = {name: getattr(Config(), name) for name in NOT_PLANNED}
 PLANNED_RANKS: dict[str, RankMemory] = {}
 
 
-def plan_of(cfg: Config, world_size: int, rank: int) -> RankMemory:
+def plan_of(cfg: Config, world_size: int, rank: int, *, count: bool = True) -> RankMemory:
+    """The plan of a rank, its step counted unless `count` is False (a plan counted already serves too): counting
+    costs the fake step of the 201 M ViT a fifth more, and the closed form reads only the peak."""
     cfg = replace(cfg, **DEFAULTS)
     key = repr((cfg, world_size, rank))
-    if key not in PLANNED_RANKS:
-        PLANNED_RANKS[key] = plan_rank(cfg, world_size, rank, count=True)
+    if key not in PLANNED_RANKS or (count and PLANNED_RANKS[key].count is None):
+        PLANNED_RANKS[key] = plan_rank(cfg, world_size, rank, count=count)
     return PLANNED_RANKS[key]
 
 
@@ -173,7 +175,7 @@ def test_the_closed_form_is_within_25_percent_of_the_planner(model, size):
             cfg = variant_config(variant, Config(model=model, model_size=size, batch_size=32 * n), n)
             if cfg is None:  # FSDP x TP on 3 ranks: no TP degree splits a width of 2^k
                 continue
-            planned = max(plan_of(cfg, n, rank).peak_bytes for rank in ranks_to_measure(cfg, n))
+            planned = max(plan_of(cfg, n, rank, count=False).peak_bytes for rank in ranks_to_measure(cfg, n))
             closed = planned_peak_bytes(cfg, n)
             assert abs(closed - planned) <= CLOSED_FORM_TOLERANCE * planned, (size, variant, n, closed, planned)
 
