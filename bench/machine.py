@@ -17,10 +17,11 @@
 - **Collectives**: `bench.collectives` (nccl-tests' definitions) at every group size the runners start, 1 KiB to
   64 MiB, and what an all-reduce costs a step after its compute beyond that table (`--after-compute`).
 - **Overhead**, of the real eager step: training steps of BabyCNN and of the ViT (two sizes each) at a batch of
-  2 timed, less their operators' times alone (timed between two timings of the step: the machine's speed
-  drifts), fit as a cost once a step plus one per call that runs a kernel (Python, modules, autograd); steps of
-  BabyCNN and the ViT under TP and FSDP (a unit per block) on a world of one process, for what a DTensor call and
-  an FSDP unit cost beyond that. Each measuring process measures them at each thread count: the mean is kept.
+  2 timed (at lr 0: the same work, the gradients kept off subnormal floats), less their operators' times alone
+  (timed between two timings of the step: the machine's speed drifts), fit as a cost once a step plus one per call
+  that runs a kernel (Python, modules, autograd); steps of BabyCNN and the ViT under TP and FSDP (a unit per block)
+  on a world of one process, each against its own model's eager step, for what a DTensor call and an FSDP unit
+  cost beyond it. Each measuring process measures them at each thread count: the mean is kept.
 - **The peak** for MFU: the fp32 and bf16 matmul peak on all cores (bench/ceilings.py).
 """
 
@@ -49,6 +50,7 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 MIN_TIMED_S, MIN_REPEATS = 0.05, 5
 PER_CALL = ("step_overhead_s", "op_overhead_s", "dtensor_overhead_s", "unit_overhead_s")  # Python's, measured
 EAGER = ({}, {"model_size": "small"}, {"model": "vit"}, {"model": "vit", "model_size": "small"})  # sizes: the fit
+WRAPPED = ({}, {"model": "vit"})  # under TP and FSDP; each one of EAGER, the step it is set against
 
 
 def counted_ops(quick: bool = False) -> dict[str, Any]:
@@ -221,10 +223,11 @@ def _eager_steps() -> list[tuple[Any, Any]]:
     return steps
 
 
-def _wrapped_steps() -> list[tuple[Any, Any]]:
-    """(a step function, its count) of BabyCNN and the ViT at a batch of 2 under TP and FSDP (a unit per block) on a
-    world of one process, as train_tp.py and train_fsdp.py wrap them: what DTensor's calls and FSDP's units cost
-    besides their operators. A gloo group of this process alone (forked measuring processes: one each)."""
+def _wrapped_steps() -> list[tuple[int, Any, Any]]:
+    """(its model's index in EAGER, a step function, its count) of BabyCNN and the ViT at a batch of 2 under TP and
+    FSDP (a unit per block) on a world of one process, as train_tp.py and train_fsdp.py wrap them: what DTensor's
+    calls and FSDP's units cost besides their operators. A gloo group of this process alone (forked measuring
+    processes: one each)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -236,7 +239,7 @@ def _wrapped_steps() -> list[tuple[Any, Any]]:
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     steps = []
-    for flags in ({}, {"model": "vit"}):
+    for flags in WRAPPED:
         cfg = Config(**flags)
         tp = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))["tp"]
         plain = _model(cfg)
@@ -244,7 +247,7 @@ def _wrapped_steps() -> list[tuple[Any, Any]]:
             apply_tp(plain, tp, plain.tp_plan(False)),
             apply_fsdp((fsdp := _model(cfg)), fsdp_mesh("cpu", 1), units=fsdp.blocks()),
         ):
-            steps.append(_counted_step(cfg, model))
+            steps.append((EAGER.index(flags), *_counted_step(cfg, model)))
     return steps
 
 
@@ -254,7 +257,10 @@ def _counted_step(cfg: Any, model: Any) -> tuple[Any, Any]:
     from common.training import build_optimizer
     from planner.count import StepCounter
 
-    step = functools.partial(_eager_step, cfg, model, build_optimizer(model.parameters(), cfg))
+    optimizer = build_optimizer(model.parameters(), cfg)
+    for group in optimizer.param_groups:  # the same work at lr 0, the weights kept where they start: trained over
+        group["lr"] = 0.0  # and over on 2 samples, the gradients fall to subnormal floats (x75 a convolution on Intel)
+    step = functools.partial(_eager_step, cfg, model, optimizer)
     for _ in range(3):
         step()
     with StepCounter(model) as counter:
@@ -293,19 +299,22 @@ def split_overhead(measured: list[tuple[float, int]]) -> dict[str, float]:
     return {"step_overhead_s": float(once), "op_overhead_s": float(per_call)}
 
 
-def wrapped_overheads(steps: list[tuple[float, int, Any]], eager: dict[str, float]) -> dict[str, float]:
+def wrapped_overheads(steps: list[tuple[float, int, Any, tuple[float, int]]], op_overhead_s: float) -> dict[str, float]:
     """{"dtensor_overhead_s", "unit_overhead_s"} from wrapped steps ((seconds beyond their operators, their kernel
-    calls, their count) each: `_wrapped_steps`, `beyond_operators`) less what a plain eager step of as many kernel
-    calls costs besides (`eager`: split_overhead's): TP's per DTensor call, FSDP's per unit less its few DTensor
-    calls' (the optimizer's on sharded parameters)."""
-    plain = lambda kernels: eager["step_overhead_s"] + kernels * eager["op_overhead_s"]  # noqa: E731
-    beyond = [(seconds - plain(kernels), count) for seconds, kernels, count in steps]
+    calls, their count, and the same two of their own model's eager step) each: `_wrapped_steps`,
+    `beyond_operators`), each less its own model's eager step and `op_overhead_s` a kernel call it adds: TP's per
+    DTensor call, FSDP's per unit less its few DTensor calls' (the optimizer's on sharded parameters). Summed before
+    dividing, so a step of many calls weighs by its calls, not as much as one of few."""
+    extra = [
+        (seconds - eager_seconds - (kernels - eager_kernels) * op_overhead_s, count)
+        for seconds, kernels, count, (eager_seconds, eager_kernels) in steps
+    ]
     calls = lambda count: sum(count.dtensor_calls.values())  # noqa: E731
-    dtensor = max(0.0, statistics.fmean(extra / calls(count) for extra, count in beyond if not count.fsdp_units))
-    unit = statistics.fmean(
-        max(0.0, extra - calls(count) * dtensor) / count.fsdp_units for extra, count in beyond if count.fsdp_units
-    )
-    return {"dtensor_overhead_s": dtensor, "unit_overhead_s": unit}
+    tp = [(seconds, count) for seconds, count in extra if not count.fsdp_units]
+    dtensor = max(0.0, sum(seconds for seconds, _ in tp) / sum(calls(count) for _, count in tp))
+    fsdp = [(seconds, count) for seconds, count in extra if count.fsdp_units]
+    unit = sum(max(0.0, seconds - calls(count) * dtensor) for seconds, count in fsdp)
+    return {"dtensor_overhead_s": dtensor, "unit_overhead_s": unit / sum(count.fsdp_units for _, count in fsdp)}
 
 
 def processes_at(threads: int) -> int:
@@ -327,7 +336,7 @@ def _measure(threads: Sequence[int], quick: bool, together: Any, results: Any, i
     ops = counted_ops(quick)
     eager = _eager_steps()
     wrapped = _wrapped_steps()
-    for counted in [ops for _, ops in eager] + [count.ops for _, count in wrapped]:
+    for counted in [ops for _, ops in eager] + [count.ops for _, _, count in wrapped]:
         for op in counted.values():
             ops.setdefault(operator_key(op), op)
     active = [t for t in threads if index < processes_at(t)]
@@ -364,8 +373,8 @@ def _measure(threads: Sequence[int], quick: bool, together: Any, results: Any, i
             found[t]["alone_overhead_s"] = found[t]["op_overhead_s"]  # (what the rates add for an operator not timed)
             overheads = [beyond_operators(step, ops) for step, ops in eager]
             found[t].update(split_overhead(overheads))  # what training steps pay beyond their operators
-            timed = [(*beyond_operators(step, count.ops), count) for step, count in wrapped]
-            found[t].update(wrapped_overheads(timed, found[t]))
+            timed = [(*beyond_operators(step, count.ops), count, overheads[own]) for own, step, count in wrapped]
+            found[t].update(wrapped_overheads(timed, found[t]["op_overhead_s"]))
             found[t]["fit"]["not_timed"] = sorted(skipped)
         together.wait()
     results.put((index, found))

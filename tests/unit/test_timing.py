@@ -262,14 +262,22 @@ def test_the_profile_splits_what_steps_cost_beyond_their_operators_into_each_ste
     # plain eager steps of 40, 250 and 400 kernel calls, 4 ms once and 30 us a call beyond their operators
     eager = split_overhead([(4e-3 + k * 30e-6, k) for k in (40, 250, 400)])
     assert eager["step_overhead_s"] == pytest.approx(4e-3) and eager["op_overhead_s"] == pytest.approx(30e-6)
-    # a TP step of 100 kernel calls: 1 ms more than a plain one over its 10 DTensor calls (0.1 ms each); an FSDP step
-    # of 100: 2.9 ms more, 8 DTensor calls (0.8 ms) and 2 units (1.05 ms each)
+    # each wrapped step is set against its own model's eager step, whatever that one costs beyond the fit (40 ms
+    # here): a TP step of 10 DTensor calls and 2 more kernel calls, 1 ms more than its eager step (0.1 ms a call);
+    # an FSDP step of 8 DTensor calls (0.8 ms) and 2 units (1.05 ms each), 2.9 ms more than its eager step
     tp, fsdp = StepCount(), StepCount(fsdp_units=2)
     tp.dtensor_calls["forward", ""], fsdp.dtensor_calls["optimizer", ""] = 10, 8
-    plain = 4e-3 + 100 * 30e-6
-    found = wrapped_overheads([(plain + 1e-3, 100, tp), (plain + 2.9e-3, 100, fsdp)], eager)
+    own = (44e-3, 100)
+    steps = [(44e-3 + 2 * 30e-6 + 1e-3, 102, tp, own), (44e-3 + 2.9e-3, 100, fsdp, own)]
+    found = wrapped_overheads(steps, eager["op_overhead_s"])
     assert found["dtensor_overhead_s"] == pytest.approx(1e-4)
     assert found["unit_overhead_s"] == pytest.approx(1.05e-3)
+    # weighed by calls: a second TP step of 990 calls at 20 us each brings the cost a call to 20.8 us, not the
+    # mean of the two (55 us)
+    vit = StepCount()
+    vit.dtensor_calls["forward", ""] = 990
+    steps.append((10e-3 + 990 * 20e-6, 600, vit, (10e-3, 600)))
+    assert wrapped_overheads(steps, eager["op_overhead_s"])["dtensor_overhead_s"] == pytest.approx(20.8e-6)
 
 
 def test_a_step_s_large_new_storages_are_counted_and_take_their_first_touch_at_the_profile_s_rate():
