@@ -280,6 +280,26 @@ def test_the_profile_splits_what_steps_cost_beyond_their_operators_into_each_ste
     assert wrapped_overheads(steps, eager["op_overhead_s"])["dtensor_overhead_s"] == pytest.approx(20.8e-6)
 
 
+@needs_torch(NEEDS_PLANNER)
+def test_the_profile_s_measuring_steps_keep_their_gradients_off_subnormal_floats():
+    import torch
+
+    from bench.machine import _counted_step
+    from common.config import Config
+    from planner.measure import _model
+
+    # trained at the scripts' lr over and over on the same 2 samples, BabyCNN's loss falls toward 0 and 13,290 of
+    # its 1.27 M gradients were subnormal within 40 steps: ~75x slower a convolution on an Intel CPU, read by the
+    # profile as Python. Its steps run at lr 0: the same work, the weights where they start.
+    cfg = Config()
+    model = _model(cfg)
+    step, _ = _counted_step(cfg, model)
+    for _ in range(40):
+        step()
+    tiny = torch.finfo(torch.float32).tiny
+    assert sum(int(((p.grad.abs() < tiny) & (p.grad != 0)).sum()) for p in model.parameters()) == 0
+
+
 def test_a_step_s_large_new_storages_are_counted_and_take_their_first_touch_at_the_profile_s_rate():
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
