@@ -262,9 +262,10 @@ def test_the_profile_splits_what_steps_cost_beyond_their_operators_into_each_ste
     # plain eager steps of 40, 250 and 400 kernel calls, 4 ms once and 30 us a call beyond their operators
     eager = split_overhead([(4e-3 + k * 30e-6, k) for k in (40, 250, 400)])
     assert eager["step_overhead_s"] == pytest.approx(4e-3) and eager["op_overhead_s"] == pytest.approx(30e-6)
-    # each wrapped step is set against its own model's eager step, whatever that one costs beyond the fit (40 ms
-    # here): a TP step of 10 DTensor calls and 2 more kernel calls, 1 ms more than its eager step (0.1 ms a call);
-    # an FSDP step of 8 DTensor calls (0.8 ms) and 2 units (1.05 ms each), 2.9 ms more than its eager step
+    # each wrapped step is set against its own model's eager step, whatever that one costs beyond the fit (44 ms
+    # here, where the fit's plain step of 100 calls costs 7 ms): a TP step of 10 DTensor calls and 2 more kernel
+    # calls, 1 ms more than its eager step (0.1 ms a call); an FSDP step of 8 DTensor calls (0.8 ms) and 2 units
+    # (1.05 ms each), 2.9 ms more than its eager step
     tp, fsdp = StepCount(), StepCount(fsdp_units=2)
     tp.dtensor_calls["forward", ""], fsdp.dtensor_calls["optimizer", ""] = 10, 8
     own = (44e-3, 100)
