@@ -173,13 +173,18 @@ class Launches:
         self.failure: str | None = None
         self.stopped = False
         self.changed = threading.Condition()  # (a launch is either started before stop() or not at all)
+        self.prepare(plan, root)
+        self.thread = threading.Thread(target=self.launch_all, daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def prepare(plan: Schedule, root: Path) -> None:
+        """Each module's folder in `root`, and a run trained under another name found under its own too."""
         for name in plan.launch_of:
             (root / name).parent.mkdir(parents=True, exist_ok=True)
         for name, trained_as in plan.aliases.items():  # the folder and what the run printed
             for suffix in ("", ".log"):
                 (root / f"{name}{suffix}").symlink_to(root / f"{trained_as}{suffix}")
-        self.thread = threading.Thread(target=self.launch_all, daemon=True)
-        self.thread.start()
 
     def launch_all(self) -> None:
         try:
