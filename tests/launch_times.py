@@ -53,14 +53,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             if launch.returncode != 0:
                 print(printed[-3000:])
                 return 1
-            seconds, before = {}, start
-            for name in group:
-                seconds[name], before = ended_at(root, name) - before, ended_at(root, name)
-            report.append({"nproc": nproc, "seconds": time.time() - start, "runs": seconds})
-            print(f"{nproc} process(es): {len(group)} runs in {time.time() - start:.0f} s", flush=True)
+            took, seconds, before = time.time() - start, {}, start
+            for name in group:  # (one after another, in the order the launch trains them)
+                end = ended_at(root, name)
+                seconds[name], before = end - before, end
+            report.append({"nproc": nproc, "seconds": took, "runs": seconds})
+            print(f"{nproc} process(es): {len(group)} runs in {took:.0f} s", flush=True)
             for name, s in sorted(seconds.items(), key=lambda item: -item[1])[:12]:
                 print(f"  {s:6.1f} s  {name}", flush=True)
-    print(f"all launches: {sum(launch['seconds'] for launch in report):.0f} s")
+    print(f"all launches: {sum(entry['seconds'] for entry in report):.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
