@@ -4,6 +4,7 @@ runs, not a test pytest collects (it takes as long as the launches: ~13 min on a
 
     python -m tests.launch_times                  # prints each launch and its 12 dearest runs
     python -m tests.launch_times --json t.json    # also writes every run's seconds
+    python -m tests.launch_times --heavy          # the heavy tier's too (`pytest -m heavy`)
 
 A run's seconds are from the end of the run before it (or the launch's start, for the first, which so also carries
 the processes' start) to the last write of its log (a check's, to its folder's newest file). Measured alone, they
@@ -24,12 +25,19 @@ from tests.helpers import ROOT, start_many
 from tests.integration.conftest import REFERENCES, Launches, prefix, schedule, without_unmet
 
 
-def all_runs() -> dict:
-    """Every module's POOLED runs and the references, named as the suite names them; those the installed torch
-    cannot train left out, as the suite leaves them out."""
+def heavy(module) -> bool:
+    marks = getattr(module, "pytestmark", [])
+    return any(mark.name == "heavy" for mark in (marks if isinstance(marks, list) else [marks]))
+
+
+def all_runs(*, with_heavy: bool = False) -> dict:
+    """Every module's POOLED runs (the heavy tier's only `with_heavy`) and the references, named as the suite names
+    them; those the installed torch cannot train left out, as the suite leaves them out."""
     runs = {}
     for path in sorted((ROOT / "tests" / "integration").glob("test_*.py")):
         module = importlib.import_module(f"tests.integration.{path.stem}")
+        if heavy(module) and not with_heavy:
+            continue
         runs |= {f"{prefix(module)}/{name}": run for name, run in getattr(module, "POOLED", {}).items()}
     return without_unmet(runs)[0] | {f"references/{name}": run for name, run in REFERENCES.items()}
 
@@ -42,8 +50,9 @@ def ended_at(root: Path, name: str) -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.launch_times", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="also write every launch's runs and seconds here")
+    parser.add_argument("--heavy", action="store_true", help="the heavy tier's runs too (pytest -m heavy)")
     args = parser.parse_args(argv)
-    plan = schedule(all_runs())
+    plan = schedule(all_runs(with_heavy=args.heavy))
     report = []
     with tempfile.TemporaryDirectory(prefix="launch-times-") as work:
         root = Path(work)

@@ -173,7 +173,8 @@ def run(name: str) -> tuple[str, float]:
         started = time.monotonic()
         env = {**os.environ, "PYTHONPATH": str(copy)}
         done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+            # (the heavy tier too: a mutation is caught by any test that names it)
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "heavy or not heavy", *tests],
             cwd=copy,
             env=env,
             capture_output=True,
