@@ -10,6 +10,7 @@ per rank and kind of collective, for every strategy and mode. The same checks at
 import json
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -107,7 +108,7 @@ def test_the_plan_is_what_each_rank_of_a_real_run_holds(pool, size, variant):
     check_real_runs(pool / "plan", size, variant, PLANNED[size, variant])
 
 
-def check_real_runs(runs, size: str, variant: str, nprocs: tuple[int, ...]) -> None:
+def check_real_runs(runs: Path, size: str, variant: str, nprocs: tuple[int, ...]) -> None:
     strategy = VARIANTS[variant][0]
     for nproc in nprocs:
         run = read_run(runs / f"{size}-{variant}-{nproc}")
