@@ -59,6 +59,10 @@ TWINS = {
     "pp-ovf": "ref-ovf-chunks",
     "tp-ovf": "ref-ovf",
 }
+# |Δloss| against the twin: the same sums, 1e-4 (measured here within 4e-6); TP's row-parallel layers add their
+# partial outputs across ranks in fp16, roundings its twin does not make: 9.2e-5 measured with oneDNN's own
+# kernels, 1.1e-4 with torch's (tests/helpers.py caps oneDNN), so 3e-4
+FOLLOWS = {"tp-ovf": 3e-4}
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +86,7 @@ def test_a_forced_overflow_skips_the_same_steps_as_one_process_then_the_same_cur
     steps = skipped(runs / name)
     assert steps == skipped(runs / twin)
     assert steps[:FORCED] == list(range(1, FORCED + 1)) and len(steps) > FORCED  # forced, then the edge found again
-    assert_follows(runs / name, runs / twin, loss=1e-4)  # (grad_norm: null on the skipped steps)
+    assert_follows(runs / name, runs / twin, loss=FOLLOWS.get(name, 1e-4))  # (grad_norm: null when skipped)
     # every rank and stage decided alike (run.json: each rank's own skipped steps)
     run = read_run(runs / name)
     assert run["loss_scaling"]["skipped_steps_per_rank"] == [steps] * run["world_size"] and run["world_size"] > 1
