@@ -75,15 +75,15 @@ def needs_torch(need: Need) -> pytest.MarkDecorator:
 
 def env_for_tests() -> dict[str, str]:
     env = dict(os.environ, PYTHON=sys.executable, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    # A 1-process run computes on 2 threads, beside the other tests' processes: OpenMP's threads wait for each other
-    # asleep, not spinning on a core another process needs (the same arithmetic; tests/README.md measures it)
+    # A 1-process run computes on a thread per core, beside the other tests' processes: OpenMP's threads wait for
+    # each other asleep, not spinning on a core another process needs (the same arithmetic; tests/README.md)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # The tests assert CPU arithmetic (gloo, bit-for-bit resumes, 1e-6 parity): on a GPU machine the launched runs
     # hide the GPU rather than mix a CUDA 1-process run with CPU ranks. bench/gpu_proof.sh runs the CUDA paths.
     env["CUDA_VISIBLE_DEVICES"] = ""
     # oneDNN below AVX512-FP16 (no effect on a CPU without it): there it computes an fp16 convolution's weight
-    # gradient in its reference code, 16x slower, and test_fp16.py checks loss scaling, not oneDNN's kernels
-    # (docs/precision.md). ONEDNN_MAX_CPU_ISA=ALL pytest runs them as they are.
+    # gradient in its reference code, 16x slower than torch's, and test_fp16.py checks loss scaling, not oneDNN's
+    # kernels (docs/precision.md). ONEDNN_MAX_CPU_ISA=ALL pytest runs them as they are.
     env.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
     env.pop("RANK", None)
     return env
