@@ -1,6 +1,6 @@
 """What each training of the shared launches costs: the launches tests/integration/conftest.py would start for the
 whole suite, run alone, one after the other, each run timed. A measurement to run by hand before cutting or adding
-runs, not a test pytest collects (it takes as long as the launches: ~13 min on a 2-core CPU):
+runs, not a test pytest collects (it takes as long as the launches: ~9 min on a 2-core CPU):
 
     python -m tests.launch_times                  # prints each launch and its 12 dearest runs
     python -m tests.launch_times --json t.json    # also writes every run's seconds
@@ -31,14 +31,15 @@ def heavy(module) -> bool:
 
 
 def all_runs(*, with_heavy: bool = False) -> dict:
-    """Every module's POOLED runs (the heavy tier's only `with_heavy`) and the references, named as the suite names
-    them; those the installed torch cannot train left out, as the suite leaves them out."""
+    """Every module's POOLED runs (the heavy tier's modules and runs only `with_heavy`) and the references, named as
+    the suite names them; those the installed torch cannot train left out, as the suite leaves them out."""
     runs = {}
     for path in sorted((ROOT / "tests" / "integration").glob("test_*.py")):
         module = importlib.import_module(f"tests.integration.{path.stem}")
         if heavy(module) and not with_heavy:
             continue
-        runs |= {f"{prefix(module)}/{name}": run for name, run in getattr(module, "POOLED", {}).items()}
+        pooled = getattr(module, "POOLED", {}).items()
+        runs |= {f"{prefix(module)}/{name}": run for name, run in pooled if with_heavy or not run.heavy}
     return without_unmet(runs)[0] | {f"references/{name}": run for name, run in REFERENCES.items()}
 
 

@@ -114,6 +114,12 @@ def schedule(runs: dict[str, Run]) -> Schedule:
 
 SCHEDULE = pytest.StashKey[Schedule]()
 DROPPED = pytest.StashKey[dict]()
+HEAVY_LEFT = pytest.StashKey[set]()
+
+
+def run_module(name: str, modules: list):
+    """The test module whose POOLED holds `name` ("<module without test_>/<run>")."""
+    return next(m for m in modules if prefix(m) == name.split("/")[0])
 
 
 def unmet_need(run: Run) -> Need | None:
@@ -141,7 +147,13 @@ def skipped(item: pytest.Item) -> bool:
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     modules = sorted({item.module for item in items if uses_pool(item)}, key=lambda m: m.__name__)
+    # a heavy run (Run.heavy: a sweep's further point) is launched only for a module whose heavy tests were selected
+    heavy = {item.module for item in items if item.get_closest_marker("heavy")}
     runs = {f"{prefix(m)}/{name}": run for m in modules for name, run in getattr(m, "POOLED", {}).items()}
+    config.stash[HEAVY_LEFT] = {
+        name for name, run in runs.items() if run.heavy and run_module(name, modules) not in heavy
+    }
+    runs = {name: run for name, run in runs.items() if name not in config.stash[HEAVY_LEFT]}
     # On an older torch (tests/floor) the runs it cannot train are not launched, and the tests they are a parameter
     # of skip, saying why; a module none of whose tests is left launches nothing
     runs, dropped = without_unmet(runs)
@@ -255,14 +267,16 @@ def pool(request, launches) -> Pool:
 
 @pytest.fixture(scope="module")
 def untrained(request) -> dict[str, str]:
-    """{name: why} of this module's shared runs that the installed torch cannot train (an older one: tests/floor): a
-    test that reads several runs leaves these out, or skips saying why (`skip_if_untrained`)."""
+    """{name: why} of this module's shared runs not trained in this session: those the installed torch cannot train (an
+    older one: tests/floor), and the heavy tier's where it was not selected. A test that reads several runs leaves
+    these out, or skips saying why."""
     mine = prefix(request.module) + "/"
-    return {
-        name.removeprefix(mine): f"{what} needs torch >= {major}.{minor} (docs/versions.md)"
+    why = {
+        name: f"{what} needs torch >= {major}.{minor} (docs/versions.md)"
         for name, ((major, minor), what, _) in request.config.stash[DROPPED].items()
-        if name.startswith(mine)
     }
+    why |= dict.fromkeys(request.config.stash[HEAVY_LEFT], "the heavy tier's (pytest -m heavy)")
+    return {name.removeprefix(mine): reason for name, reason in why.items() if name.startswith(mine)}
 
 
 @pytest.fixture(scope="module")

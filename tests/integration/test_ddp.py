@@ -18,6 +18,7 @@ from tests.helpers import (
     SGD,
     SGD_FOLLOWS,
     SMALL,
+    TEST_SIZE,
     Run,
     assert_follows,
     assert_resumed,
@@ -137,9 +138,9 @@ def test_a_one_process_checkpoint_resumes_on_four_ranks(runs):
 
 def test_evaluation_covers_the_whole_test_set_the_same_way_at_any_world_size(runs):
     accuracies = {name: read_metrics(runs[name])[1][-1]["test_accuracy"] for name in ("adamw", "ddp4", "ddp3_accum")}
-    # 256 test images: the same predictions give the same count of hits, whatever the sharding
-    assert len({round(a * 256) for a in accuracies.values()}) == 1, accuracies
-    assert all(round(a * 256) == a * 256 for a in accuracies.values())
+    # TEST_SIZE test images: the same predictions give the same count of hits, whatever the sharding
+    assert len({round(a * TEST_SIZE) for a in accuracies.values()}) == 1, accuracies
+    assert all(round(a * TEST_SIZE) == a * TEST_SIZE for a in accuracies.values())
 
 
 def test_evaluation_counts_every_image_when_the_shards_differ(runs):

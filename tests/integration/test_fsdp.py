@@ -20,6 +20,7 @@ from tests.helpers import (
     SGD,
     SGD_FOLLOWS,
     SMALL,
+    TEST_SIZE,
     Run,
     assert_follows,
     assert_resumed,
@@ -293,12 +294,12 @@ def test_model_pt_is_the_trained_model_for_a_plain_babycnn(runs):
     out = runs["adamw_full"]
     model = BabyCNN()
     model.load_state_dict(torch.load(out / "model.pt", weights_only=True))  # strict: every key, right shapes
-    data = load_dataset(Config(train_size=1536, test_size=256))
+    data = load_dataset(Config(train_size=1536, test_size=TEST_SIZE))
     images, labels = to_device_batch(data.test, torch.arange(len(data.test)), data, torch.device("cpu"))
     with torch.no_grad():
         hits = (model.eval()(images).argmax(dim=1) == labels).sum().item()
     # the trained weights, not the initial ones: the same predictions as the run's own evaluation
-    assert abs(hits - 256 * read_run(out)["final"]["test_accuracy"]) <= 1
+    assert abs(hits - TEST_SIZE * read_run(out)["final"]["test_accuracy"]) <= 1
     # activation checkpointing wraps the model, but the wrapper's name stays out of the keys
     BabyCNN().load_state_dict(torch.load(runs["sgd_full"] / "model.pt", weights_only=True))
 

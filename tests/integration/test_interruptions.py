@@ -155,7 +155,12 @@ def runner_signal(out: Path, sig: int = signal.SIGTERM) -> None:
     os.kill(supervisor_pid(out), sig)
 
 
-@pytest.mark.parametrize("strategy", ("fsdp", "pippy", "tp"))
+# The pipeline's ranks hold different stages and stop together only through the all-reduce every rank joins: its
+# story runs on every `pytest`. FSDP's and TP's save the same way (the checkpoint code is every strategy's; their
+# sharded resumes are test_resume.py's) and run with the heavy tier, `pytest -m heavy`.
+@pytest.mark.parametrize(
+    "strategy", (pytest.param("fsdp", marks=pytest.mark.heavy), "pippy", pytest.param("tp", marks=pytest.mark.heavy))
+)
 def test_sigterm_to_the_runner_at_step_25_saves_and_the_resumed_run_is_bit_for_bit(uninterrupted, tmp_path, strategy):
     out = tmp_path / "run"
     code, printed = when_past(start(strategy, EXACT, out), out, 25, lambda: runner_signal(out))

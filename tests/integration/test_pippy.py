@@ -13,6 +13,7 @@ from common.versions import NEEDS_TP, NEEDS_V
 from tests.helpers import (
     ONE_THREAD,
     PP_PARITY,
+    TEST_SIZE,
     Run,
     assert_follows,
     assert_resumed,
@@ -27,6 +28,7 @@ from tests.helpers import (
     read_run,
     run_command,
     start_runner,
+    tiered,
 )
 
 STEPS = 20  # PP_PARITY's
@@ -63,11 +65,18 @@ DP2 = {
 PART1 = ["--schedule", "interleaved-1f1b", "--stages-per-rank", "2", "--max-steps", "12", "--checkpoint-every", "12"]
 
 
+# The matrix's further points, the heavy tier's (`pytest -m heavy`): each schedule's 8 micro-batches after its 4, but
+# GPipe's (the bubble's formula at two points) and dualpipev's (its only run on 4 ranks)
+MATRIX_HEAVY = {f"{name}-m8" for name in STAGES_PER_RANK} - {"gpipe-m8", "dualpipev-m8"}
+
 # Trainings in the shared launches (tests/integration/conftest.py): each schedule at 4 and 8 micro-batches,
 # the --dp 2 runs, the first half of a run to resume, and a pipeline resuming the 1-process DDP run's
 # checkpoint (in a copy of that run as it stood after step 12)
 POOLED = {
-    **{name: Run("pippy", [*PP_PARITY, *flags, "--max-steps", str(MATRIX_STEPS)]) for name, flags in MATRIX.items()},
+    **{
+        name: Run("pippy", [*PP_PARITY, *flags, "--max-steps", str(MATRIX_STEPS)], heavy=name in MATRIX_HEAVY)
+        for name, flags in MATRIX.items()
+    },
     **{name: Run("pippy", [*PP_PARITY, *flags]) for name, flags in {**DP2, "part1": PART1}.items()},
     "from-ddp": Run("pippy", [*PP_PARITY, "--dp", "2", "--resume"], rewound_from=("references/pipeline", 12)),
 }
@@ -90,15 +99,15 @@ def check_matches_reference(out, ref_out) -> None:
     assert len(run_losses) in (MATRIX_STEPS, STEPS)
     # grad_norm too: a schedule that scaled every gradient by a constant factor would hide in AdamW's loss
     assert_follows(out, ref_out, **FOLLOWS)
-    # evaluation ran through the pipeline over all 256 test images: the same predictions as the reference
+    # evaluation ran through the pipeline over all TEST_SIZE test images: the same predictions as the reference
     evaluation = read_metrics(out)[1][-1]
     (reference_eval,) = [e for e in read_metrics(ref_out)[1] if e["step"] == evaluation["step"] == len(run_losses)]
-    assert round(evaluation["test_accuracy"] * 256) == round(reference_eval["test_accuracy"] * 256)
-    assert evaluation["test_accuracy"] * 256 == pytest.approx(round(evaluation["test_accuracy"] * 256))
+    assert round(evaluation["test_accuracy"] * TEST_SIZE) == round(reference_eval["test_accuracy"] * TEST_SIZE)
+    assert evaluation["test_accuracy"] * TEST_SIZE == pytest.approx(round(evaluation["test_accuracy"] * TEST_SIZE))
     assert evaluation["test_loss"] == pytest.approx(reference_eval["test_loss"], abs=1e-4)
 
 
-@pytest.mark.parametrize("name", list(MATRIX))
+@pytest.mark.parametrize("name", tiered(MATRIX, POOLED))
 def test_every_schedule_matches_one_process(name, pipelines, ref):
     check_matches_reference(pipelines / name, ref)
 
