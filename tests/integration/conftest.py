@@ -9,11 +9,12 @@ of BabyCNN, so a launch per process count instead of one per module saves minute
 tests/integration/test_fsdp.py` still runs only what that file needs. A module finds its runs under `pool /
 "<module without test_>" / name`; a training two modules ask for alike is trained once and found under both names.
 
-The launches start with the first integration test, in a thread of their own, and the tests that read them are
-moved to the end of the session, each module's as soon as the launches holding its runs have ended: until then
-the tests that launch their own processes (runners, killed workers, elastic agents, bad input) run beside them, on
-the cores the launches' collectives and process starts leave idle (one after the other, the suite kept both cores
-~75 % busy). The tests' order is all that changes: each test checks what it checked, on runs no other test writes.
+The launches start with the session's first test (a unit test's: tests/conftest.py), in a thread of their own, and
+the tests that read them are moved to the end of the session, each module's as soon as the launches holding its runs
+have ended: until then the unit tests and the tests that launch their own processes (runners, killed workers, elastic
+agents, bad input) run beside them, on the cores the launches' collectives and process starts leave idle (one after
+the other, the suite kept both cores ~75 % busy). The tests' order is all that changes: each test checks what it
+checked, on runs no other test writes.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import subprocess
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -239,16 +239,6 @@ class Launches:
             self.stopped = True
             if self.running is not None and self.running.poll() is None:
                 os.killpg(self.running.pid, signal.SIGKILL)  # torchrun and its workers: a session of their own
-
-
-@pytest.fixture(scope="session", autouse=True)
-def launches(request, tmp_path_factory) -> Iterator[Launches | None]:
-    if not any(uses_pool(item) for item in request.session.items):
-        yield None
-        return
-    started = Launches(request.config.stash[SCHEDULE], tmp_path_factory.mktemp("pool"))
-    yield started
-    started.stop()  # (a session ended early: nothing keeps training after it)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,21 @@
+"""The shared launches of tests/integration/conftest.py start with the session's first test, a unit test's too: the
+1-process launch, on one core, trains beside the unit tests, which take the other."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def launches(request, tmp_path_factory) -> Iterator[object | None]:
+    """The shared launches (tests.integration.conftest.Launches), started, or None if no selected test reads them."""
+    if not any("pool" in item.fixturenames for item in request.session.items):
+        yield None
+        return
+    from tests.integration.conftest import SCHEDULE, Launches
+
+    started = Launches(request.config.stash[SCHEDULE], tmp_path_factory.mktemp("pool"))
+    yield started
+    started.stop()  # (a session ended early: nothing keeps training after it)
