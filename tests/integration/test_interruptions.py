@@ -155,9 +155,9 @@ def runner_signal(out: Path, sig: int = signal.SIGTERM) -> None:
     os.kill(supervisor_pid(out), sig)
 
 
-# The pipeline's ranks hold different stages and stop together only through the all-reduce every rank joins: its
-# story runs on every `pytest`. FSDP's and TP's save the same way (the checkpoint code is every strategy's; their
-# sharded resumes are test_resume.py's) and run with the heavy tier, `pytest -m heavy`.
+# The pipeline's ranks hold different stages, and every one must save the same step: its story runs on every
+# `pytest`. FSDP's and TP's stop the same way (the checkpoint code is every strategy's; their sharded resumes are
+# test_resume.py's) and run with the heavy tier, `pytest -m heavy`.
 @pytest.mark.parametrize(
     "strategy", (pytest.param("fsdp", marks=pytest.mark.heavy), "pippy", pytest.param("tp", marks=pytest.mark.heavy))
 )

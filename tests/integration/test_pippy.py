@@ -66,7 +66,7 @@ PART1 = ["--schedule", "interleaved-1f1b", "--stages-per-rank", "2", "--max-step
 
 
 # The matrix's further points, the heavy tier's (`pytest -m heavy`): each schedule's 8 micro-batches after its 4, but
-# GPipe's (the bubble's formula at two points) and dualpipev's (its only run on 4 ranks)
+# GPipe's (the bubble's formula at two points) and DualPipeV's (its only run on 4 ranks)
 MATRIX_HEAVY = {f"{name}-m8" for name in STAGES_PER_RANK} - {"gpipe-m8", "dualpipev-m8"}
 
 # Trainings in the shared launches (tests/integration/conftest.py): each schedule at 4 and 8 micro-batches,
