@@ -11,11 +11,11 @@ import pytest
 @pytest.fixture(scope="session", autouse=True)
 def launches(request, tmp_path_factory) -> Iterator[object | None]:
     """The shared launches (tests.integration.conftest.Launches), started, or None if no selected test reads them."""
-    if not any("pool" in item.fixturenames for item in request.session.items):
+    from tests.integration.conftest import SCHEDULE, Launches, uses_pool  # (imported here: only a session needs it)
+
+    if not any(uses_pool(item) for item in request.session.items):
         yield None
         return
-    from tests.integration.conftest import SCHEDULE, Launches
-
     started = Launches(request.config.stash[SCHEDULE], tmp_path_factory.mktemp("pool"))
     yield started
     started.stop()  # (a session ended early: nothing keeps training after it)

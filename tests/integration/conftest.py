@@ -117,11 +117,6 @@ DROPPED = pytest.StashKey[dict]()
 HEAVY_LEFT = pytest.StashKey[set]()
 
 
-def run_module(name: str, modules: list):
-    """The test module whose POOLED holds `name` ("<module without test_>/<run>")."""
-    return next(m for m in modules if prefix(m) == name.split("/")[0])
-
-
 def unmet_need(run: Run) -> Need | None:
     """What of a newer torch than the installed one `run` needs (common/versions.py), if anything."""
     if run.strategy not in STRATEGIES:
@@ -149,11 +144,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     modules = sorted({item.module for item in items if uses_pool(item)}, key=lambda m: m.__name__)
     # a heavy run (Run.heavy: a sweep's further point) is launched only for a module whose heavy tests were selected
     heavy = {item.module for item in items if item.get_closest_marker("heavy")}
-    runs = {f"{prefix(m)}/{name}": run for m in modules for name, run in getattr(m, "POOLED", {}).items()}
-    config.stash[HEAVY_LEFT] = {
-        name for name, run in runs.items() if run.heavy and run_module(name, modules) not in heavy
-    }
-    runs = {name: run for name, run in runs.items() if name not in config.stash[HEAVY_LEFT]}
+    pooled = {f"{prefix(m)}/{name}": (m, run) for m in modules for name, run in getattr(m, "POOLED", {}).items()}
+    config.stash[HEAVY_LEFT] = {name for name, (m, run) in pooled.items() if run.heavy and m not in heavy}
+    runs = {name: run for name, (_, run) in pooled.items() if name not in config.stash[HEAVY_LEFT]}
     # On an older torch (tests/floor) the runs it cannot train are not launched, and the tests they are a parameter
     # of skip, saying why; a module none of whose tests is left launches nothing
     runs, dropped = without_unmet(runs)
