@@ -1,5 +1,6 @@
 """The shared launches of tests/integration/conftest.py start with the session's first test, a unit test's too: the
-1-process launch, on one core, trains beside the unit tests, which take the other."""
+1-process launch, on one core, trains beside the unit tests, which take the other. So do test_plan.py's fake steps,
+planned ahead in a background process of their own (tests/integration/plans_ahead.py)."""
 
 from __future__ import annotations
 
@@ -19,3 +20,16 @@ def launches(request, tmp_path_factory) -> Iterator[object | None]:
     started = Launches(request.config.stash[SCHEDULE], tmp_path_factory.mktemp("pool"))
     yield started
     started.stop()  # (a session ended early: nothing keeps training after it)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def plans(request, tmp_path_factory) -> Iterator[object]:
+    """The steps the selected tests will plan (a module's `planned_by(item)` lists a test's), planned ahead in the
+    background: tests.integration.plans_ahead.Plans."""
+    from tests.integration.conftest import skipped
+    from tests.integration.plans_ahead import Plans
+
+    items = [item for item in request.session.items if hasattr(item.module, "planned_by") and not skipped(item)]
+    started = Plans([p for item in items for p in item.module.planned_by(item)], tmp_path_factory.mktemp("plans"))
+    yield started
+    started.stop()

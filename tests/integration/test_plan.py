@@ -5,11 +5,11 @@ launch's second step) is within 15 % of the planned one (a pipeline rank's, of t
 the activation it sent), counted from its tensors, and within 20 % as the C allocator itself saw it. The same planned
 steps, counted (planner/count.py), do the model's FLOPs by its sizes and move the bytes planner/predict.py predicts,
 per rank and kind of collective, for every strategy and mode. The same checks at the larger sizes (12.7 M and
-201.6 M parameters) are the heavy tier's: test_plan_sizes.py."""
+201.6 M parameters) are the heavy tier's: test_plan_sizes.py. The steps the selected tests plan are planned ahead, in
+a background process (tests/integration/plans_ahead.py)."""
 
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,12 +18,12 @@ from common.cli import parse_config
 from common.config import Config
 from common.model_sizes import blocks
 from common.versions import NEEDS_PLANNER
-from planner.measure import RankMemory, plan_rank
 from planner.plan import VIT_VARIANTS, plan, ranks_to_measure, variant_config
 from planner.predict import analytic_flops, traffic
 from planner.report import largest_batch
 from runner.memory import planned_peak_bytes
 from tests.helpers import SMALL, Run, needs_torch, read_run, run_command
+from tests.integration.plans_ahead import Planned, Plans
 
 pytestmark = needs_torch(NEEDS_PLANNER)  # every test here plans
 
@@ -56,24 +56,6 @@ WALL_VARIANTS = (
 )
 
 
-# What the planner does not read (its fake step evaluates nothing, writes nothing, builds the model without dropout):
-# configurations that differ only there are planned once for the module, so the real runs' plans reuse the closed
-# form's
-NOT_PLANNED = ("out", "train_size", "test_size", "max_steps", "log_every", "measure_peak", "dropout")
-DEFAULTS = {name: getattr(Config(), name) for name in NOT_PLANNED}
-PLANNED_RANKS: dict[str, RankMemory] = {}
-
-
-def plan_of(cfg: Config, world_size: int, rank: int, *, count: bool = True) -> RankMemory:
-    """The plan of a rank, its step counted unless `count` is False (a plan counted already serves too): counting
-    costs the fake step of the 201 M ViT a fifth more, and the closed form reads only the peak."""
-    cfg = replace(cfg, **DEFAULTS)
-    key = repr((cfg, world_size, rank))
-    if key not in PLANNED_RANKS or (count and PLANNED_RANKS[key].count is None):
-        PLANNED_RANKS[key] = plan_rank(cfg, world_size, rank, count=count)
-    return PLANNED_RANKS[key]
-
-
 def flags(size: str, variant: str, nproc: int) -> list[str]:
     per_rank = 2 if size == "medium" else 32  # as a default 4-process run (a pipeline: 32 per stage); 201 M: 2
     batch = ["--batch-size", str(per_rank * nproc)]
@@ -104,33 +86,37 @@ POOLED = pooled(PLANNED)
 
 
 @pytest.mark.parametrize("size, variant", PLANNED)
-def test_the_plan_is_what_each_rank_of_a_real_run_holds(pool, size, variant):
-    check_real_runs(pool / "plan", size, variant, PLANNED[size, variant])
+def test_the_plan_is_what_each_rank_of_a_real_run_holds(plans, pool, size, variant):
+    check_real_runs(plans, pool / "plan", size, variant, PLANNED[size, variant])
 
 
-def check_real_runs(runs: Path, size: str, variant: str, nprocs: tuple[int, ...]) -> None:
-    strategy = VARIANTS[variant][0]
-    for nproc in nprocs:
-        run = read_run(runs / f"{size}-{variant}-{nproc}")
-        cfg = parse_config(strategy, flags(size, variant, nproc), world_size=nproc)
+def real_run_plans(size: str, variant: str, nprocs: tuple[int, ...]) -> list[Planned]:
+    """Every rank of each real run: run.json holds every rank's memory."""
+    cfgs = {n: parse_config(VARIANTS[variant][0], flags(size, variant, n), world_size=n) for n in nprocs}
+    return [Planned(cfgs[n], n, rank, count=False) for n in nprocs for rank in range(n)]
+
+
+def check_real_runs(plans: Plans, runs: Path, size: str, variant: str, nprocs: tuple[int, ...]) -> None:
+    for p in real_run_plans(size, variant, nprocs):
+        run = read_run(runs / f"{size}-{variant}-{p.world_size}")
         assert run["memory"]["peak"]["step"] == 2
-        for measured in run["memory"]["per_rank"]:
-            planned = plan_of(cfg, nproc, measured["rank"])
-            where = f"{size} {variant} on {nproc}, rank {measured['rank']}"
-            # the state, byte for byte: the same wrap and optimizer, counted by the same function
-            assert (planned.param_bytes, planned.grad_bytes, planned.optim_bytes) == (
-                measured["param_bytes"],
-                measured["grad_bytes"],
-                measured["optim_bytes"],
-            ), where
-            # the peak of a step: the same count over a fake step and a real one, within 15 %; a pipeline rank's
-            # within 15 % of the range its backend's timing allows (a sent activation held, or already let go)
-            low, high = planned.peak_bytes, planned.peak_bytes + planned.in_flight_bytes
-            peak = measured["peak_bytes"]
-            assert (1 - PEAK_TOLERANCE) * low <= peak <= (1 + PEAK_TOLERANCE) * high, (where, low, high, peak)
-            # and the memory the process really used: the peak as the C allocator saw it, not counted from tensors
-            used = measured["allocator_peak_bytes"]
-            assert (1 - ALLOCATOR_TOLERANCE) * low <= used <= (1 + ALLOCATOR_TOLERANCE) * high, (where, low, high, used)
+        measured, planned = run["memory"]["per_rank"][p.rank], plans.of(p)
+        where = f"{size} {variant} on {p.world_size}, rank {p.rank}"
+        assert measured["rank"] == p.rank, where
+        # the state, byte for byte: the same wrap and optimizer, counted by the same function
+        assert (planned.param_bytes, planned.grad_bytes, planned.optim_bytes) == (
+            measured["param_bytes"],
+            measured["grad_bytes"],
+            measured["optim_bytes"],
+        ), where
+        # the peak of a step: the same count over a fake step and a real one, within 15 %; a pipeline rank's
+        # within 15 % of the range its backend's timing allows (a sent activation held, or already let go)
+        low, high = planned.peak_bytes, planned.peak_bytes + planned.in_flight_bytes
+        peak = measured["peak_bytes"]
+        assert (1 - PEAK_TOLERANCE) * low <= peak <= (1 + PEAK_TOLERANCE) * high, (where, low, high, peak)
+        # and the memory the process really used: the peak as the C allocator saw it, not counted from tensors
+        used = measured["allocator_peak_bytes"]
+        assert (1 - ALLOCATOR_TOLERANCE) * low <= used <= (1 + ALLOCATOR_TOLERANCE) * high, (where, low, high, used)
 
 
 # Beyond the real runs' configurations, every other mode whose collectives differ: {name: (strategy, flags, ranks)}
@@ -147,14 +133,19 @@ COUNTED |= counted(PLANNED)
 
 
 @pytest.mark.parametrize("name", COUNTED)
-def test_the_planned_step_does_the_models_flops_and_moves_the_predicted_bytes(name):
-    check_count(name, *COUNTED[name])
+def test_the_planned_step_does_the_models_flops_and_moves_the_predicted_bytes(plans, name):
+    check_count(plans, name, *COUNTED[name])
 
 
-def check_count(name: str, strategy: str, given: list[str], n: int) -> None:
+def counted_plans(strategy: str, given: list[str], n: int) -> list[Planned]:
     cfg = parse_config(strategy, given, world_size=n)
-    for rank in ranks_to_measure(cfg, n):
-        count, where = plan_of(cfg, n, rank).count, f"{name}, rank {rank}"
+    return [Planned(cfg, n, rank) for rank in ranks_to_measure(cfg, n)]
+
+
+def check_count(plans: Plans, name: str, strategy: str, given: list[str], n: int) -> None:
+    for p in counted_plans(strategy, given, n):
+        cfg, rank, count = p.cfg, p.rank, plans.of(p).count
+        where = f"{name}, rank {rank}"
         # per kind of collective, the bytes of the step the fake group saw are those the model and mesh predict
         assert count.collective_bytes() == {k: v["bytes"] for k, v in traffic(cfg, n, rank).items()}, where
         # the FLOPs of its operators, as torch's formulas count them, are the model's by its sizes; a checkpointed
@@ -180,25 +171,31 @@ def check_count(name: str, strategy: str, given: list[str], n: int) -> None:
 
 
 @pytest.mark.parametrize("model", ("cnn", "vit"))
-def test_the_closed_form_is_within_25_percent_of_the_planner(model):
-    check_closed_form(model, "baby")
+def test_the_closed_form_is_within_25_percent_of_the_planner(plans, model):
+    check_closed_form(plans, model, "baby")
 
 
-def check_closed_form(model: str, size: str) -> None:
-    variants = VIT_VARIANTS if model == "vit" else WALL_VARIANTS
-    for variant in variants:
+def closed_form_plans(model: str, size: str) -> dict[tuple[str, int], list[Planned]]:
+    """{(variant, world size): its ranks to plan}"""
+    found = {}
+    for variant in VIT_VARIANTS if model == "vit" else WALL_VARIANTS:
         # the CNN on 1 process, on 3 (shards and batches that do not divide) and on 4; the ViT on 2 and, fake 200 M
         # (seconds a plan), on 4
         for n in (1, 3, 4) if model == "cnn" else (2,) if size == "baby" else (4,):
             cfg = variant_config(variant, Config(model=model, model_size=size, batch_size=32 * n), n)
-            if cfg is None:  # FSDP x TP on 3 ranks: no TP degree splits a width of 2^k
-                continue
-            planned = max(plan_of(cfg, n, rank, count=False).peak_bytes for rank in ranks_to_measure(cfg, n))
-            closed = planned_peak_bytes(cfg, n)
-            assert abs(closed - planned) <= CLOSED_FORM_TOLERANCE * planned, (size, variant, n, closed, planned)
+            if cfg is not None:  # (FSDP x TP on 3 ranks: no TP degree splits a width of 2^k)
+                found[variant, n] = [Planned(cfg, n, rank, count=False) for rank in ranks_to_measure(cfg, n)]
+    return found
 
 
-def test_the_largest_batch_is_planned_to_fit_and_the_next_one_up_not():
+def check_closed_form(plans: Plans, model: str, size: str) -> None:
+    for (variant, n), ranks in closed_form_plans(model, size).items():
+        planned = max(plans.of(p).peak_bytes for p in ranks)
+        closed = planned_peak_bytes(ranks[0].cfg, n)
+        assert abs(closed - planned) <= CLOSED_FORM_TOLERANCE * planned, (size, variant, n, closed, planned)
+
+
+def test_the_largest_batch_is_planned_to_fit_and_the_next_one_up_not(plans):
     # a step's peak is not a straight line in the batch: the answer is a batch the search planned and saw fit, and
     # the next batch the variant can run (a pipeline of 2 stages and 4 micro-batches: even ones) planned and seen
     # not to; each planned again here on its own
@@ -208,9 +205,23 @@ def test_the_largest_batch_is_planned_to_fit_and_the_next_one_up_not():
         assert found is not None and 32 < found.fits and found.over == found.fits + step, (variant, found)
         for per_rank, fits in ((found.fits, True), (found.over, False)):
             cfg = variant_config(variant, Config(batch_size=per_rank * n), n)
-            ranks = [plan_of(cfg, n, rank) for rank in ranks_to_measure(cfg, n)]
+            ranks = [plans.of(Planned(cfg, n, rank, count=False)) for rank in ranks_to_measure(cfg, n)]
             worst = max(r.peak_bytes + r.in_flight_bytes for r in ranks)
             assert (worst <= memory) == fits and worst in (found.fits_bytes, found.over_bytes), (variant, per_rank)
+
+
+def planned_by(item: pytest.Item) -> list[Planned]:
+    """The steps a selected test of this module (or test_plan_sizes.py) will plan, planned ahead by tests/conftest.py;
+    the largest batch's are found by its search, in the test."""
+    name, params = item.originalname, getattr(getattr(item, "callspec", None), "params", {})
+    if name == test_the_plan_is_what_each_rank_of_a_real_run_holds.__name__:
+        size, variant = params["size"], params["variant"]
+        return real_run_plans(size, variant, item.module.PLANNED[size, variant])
+    if name == test_the_planned_step_does_the_models_flops_and_moves_the_predicted_bytes.__name__:
+        return counted_plans(*item.module.COUNTED[params["name"]])
+    if name == test_the_closed_form_is_within_25_percent_of_the_planner.__name__:
+        return [p for ranks in closed_form_plans(params["model"], params.get("size", "baby")).values() for p in ranks]
+    return []
 
 
 def test_the_planner_command_for_7b_on_4_ranks(tmp_path):

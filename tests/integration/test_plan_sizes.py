@@ -16,6 +16,7 @@ from tests.integration.test_plan import (
     counted,
     pooled,
 )
+from tests.integration.test_plan import planned_by as planned_by  # (tests/conftest.py plans ahead with it)
 
 pytestmark = [pytest.mark.heavy, needs_torch(NEEDS_PLANNER)]
 
@@ -26,15 +27,15 @@ COUNTED = counted(PLANNED)
 
 
 @pytest.mark.parametrize("size, variant", PLANNED)
-def test_the_plan_is_what_each_rank_of_a_real_run_holds(pool, size, variant):
-    check_real_runs(pool / "plan_sizes", size, variant, PLANNED[size, variant])
+def test_the_plan_is_what_each_rank_of_a_real_run_holds(plans, pool, size, variant):
+    check_real_runs(plans, pool / "plan_sizes", size, variant, PLANNED[size, variant])
 
 
 @pytest.mark.parametrize("name", COUNTED)
-def test_the_planned_step_does_the_models_flops_and_moves_the_predicted_bytes(name):
-    check_count(name, *COUNTED[name])
+def test_the_planned_step_does_the_models_flops_and_moves_the_predicted_bytes(plans, name):
+    check_count(plans, name, *COUNTED[name])
 
 
 @pytest.mark.parametrize("model, size", [("cnn", "small"), ("cnn", "medium"), ("vit", "medium")])
-def test_the_closed_form_is_within_25_percent_of_the_planner(model, size):
-    check_closed_form(model, size)
+def test_the_closed_form_is_within_25_percent_of_the_planner(plans, model, size):
+    check_closed_form(plans, model, size)
