@@ -1,6 +1,7 @@
 """The shared launches of tests/integration/conftest.py start with the session's first test, a unit test's too: the
 1-process launch, on one core, trains beside the unit tests, which take the other. So do test_plan.py's fake steps,
-planned ahead in a background process of their own (tests/integration/plans_ahead.py)."""
+planned ahead in a background process of their own (tests/integration/plans_ahead.py), and the commands whose output
+a module's tests only read (tests/integration/early.py)."""
 
 from __future__ import annotations
 
@@ -31,5 +32,18 @@ def plans(request, tmp_path_factory) -> Iterator[object]:
 
     items = [item for item in request.session.items if hasattr(item.module, "planned_by") and not skipped(item)]
     started = Plans([p for item in items for p in item.module.planned_by(item)], tmp_path_factory.mktemp("plans"))
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def early(request, tmp_path_factory) -> Iterator[object]:
+    """The commands the selected modules list in `STARTED`, started: tests.integration.early.Early."""
+    from tests.integration.conftest import prefix, skipped
+    from tests.integration.early import Early
+
+    modules = {item.module for item in request.session.items if not skipped(item)}
+    commands = {f"{prefix(m)}/{name}": command for m in modules for name, command in getattr(m, "STARTED", {}).items()}
+    started = Early(commands, tmp_path_factory.mktemp("early"))
     yield started
     started.stop()

@@ -162,9 +162,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     plan = config.stash[SCHEDULE] = schedule(runs)
     ends = {module: plan.needed_by(prefix(module)) for module in modules}  # the last launch each module reads
     ends.update({item.module: -1 for item in items if item.module not in ends})  # (all of its tests skip)
-    # (stable: the unit tests first, then the integration tests that launch their own, then each module's that read
-    # the launches, in the order its launches end)
-    items.sort(key=lambda item: ends[item.module] if uses_pool(item) else -1)
+    # (stable: the unit tests first, then the integration tests that launch their own, then those of the modules whose
+    # commands started with the session (tests/integration/early.py: by then they have ended), then each module's that
+    # read the launches, in the order its launches end)
+    items.sort(
+        key=lambda item: ends[item.module] if uses_pool(item) else -0.5 if hasattr(item.module, "STARTED") else -1
+    )
 
 
 class Launches:

@@ -11,13 +11,22 @@ from pathlib import Path
 import pytest
 
 from bench.ceilings import pipeline_ceiling
-from tests.helpers import read_metrics, run_command
+from tests.helpers import read_metrics
+from tests.integration.early import Command
+
+# started with the session (tests/integration/early.py), each in a folder of its own
+STARTED = {
+    "quick": Command([sys.executable, "-m", "bench", "--quick", "--out", "{out}"]),
+    "collectives": Command(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + ["-m", "bench.collectives", "--quick", "--after-compute", "--out", "{out}"]
+    ),
+}
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench")
-    run_command([sys.executable, "-m", "bench", "--quick", "--out", str(out)], timeout=240)
+def report(early):
+    out, _ = early.finished("bench/quick")
     markdown = (out / "bench.md").read_text()
     assert markdown.count("\n| ddp | fp32 |") == 2
     assert "Where a step goes (profiler spans of a real `train_ddp.py` run)" in markdown
@@ -96,28 +105,24 @@ def test_pipeline_ceiling_is_the_heaviest_stage_on_one_core(report):
     assert ceiling["4"]["samples_per_s"] == pytest.approx(100e9 / layers["conv2"])
 
 
-def test_the_collective_benchmark_in_nccl_tests_terms(tmp_path):
+def test_the_collective_benchmark_in_nccl_tests_terms(early):
     """python -m bench.collectives --quick on 2 processes: every op at a few sizes, time > 0, algbw = size / time,
     busbw = algbw x nccl-tests' factor (2(n-1)/n = 1 for an all-reduce of 2 ranks, (n-1)/n = 0.5 for all-gather),
     the JSON, the table and the figure; --after-compute: an all-reduce after compute, less the compute alone and the
     back-to-back all-reduce."""
     from bench.collectives import OPS, bus_factor
 
-    proc = run_command(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        + ["-m", "bench.collectives", "--quick", "--after-compute", "--out", str(tmp_path)],
-        timeout=240,
-    )
-    report = json.loads((tmp_path / "collectives.json").read_text())
+    out, printed = early.finished("bench/collectives")
+    report = json.loads((out / "collectives.json").read_text())
     assert report["world_size"] == 2 and {r["op"] for r in report["results"]} == set(OPS)
     for r in report["results"]:
         assert positive(r["time_s"]) and r["algbw_GBps"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9, rel=1e-6)
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * bus_factor(r["op"], 2), rel=1e-6)
     assert bus_factor("all_reduce", 2) == 1 and bus_factor("all_gather", 2) == 0.5
-    assert (tmp_path / "collectives.png").stat().st_size > 0 and "all_reduce_ring" in proc.stdout
+    assert (out / "collectives.png").stat().st_size > 0 and "all_reduce_ring" in printed
     after = report["after_compute"]
     [measured] = after["rounds"]  # --quick: one round
     assert after["bytes"] == 512 << 10 and after["matmuls"] >= 1 and positive(measured["back_to_back_s"])
     assert positive(measured["after_s"]) and positive(measured["compute_s"])  # (no order: 3 calls each, noisy)
     assert after["extra_s"] == pytest.approx(measured["after_s"] - measured["compute_s"] - measured["back_to_back_s"])
-    assert "an all-reduce of 512 KiB after compute" in proc.stdout
+    assert "an all-reduce of 512 KiB after compute" in printed

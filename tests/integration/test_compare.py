@@ -6,22 +6,23 @@ import struct
 import pytest
 
 from common.versions import NEEDS_TP, older_than
-from tests.helpers import PARITY, env_for_tests, markdown_rows, read_metrics, run_command
+from tests.helpers import PARITY, markdown_rows, read_metrics
+from tests.integration.early import Command
 
 # run_all.sh leaves TP out where the installed torch is older than it needs (docs/versions.md)
 RUNS = ("ref", "ddp", "fsdp", "pippy", *(() if older_than(NEEDS_TP) else ("tp",)))
 STEPS = 12  # what the comparison needs; the parity itself is tested at length in the strategies' own files
 
 
+# started with the session (tests/integration/early.py), in a folder of its own
+STARTED = {
+    "run_all": Command(["bash", "run_all.sh", *PARITY, "--max-steps", str(STEPS)], {"NPROC": "2", "OUT": "{out}"})
+}
+
+
 @pytest.fixture(scope="module")
-def run_all(tmp_path_factory):
-    out = tmp_path_factory.mktemp("compare")
-    proc = run_command(
-        ["bash", "run_all.sh", *PARITY, "--max-steps", str(STEPS)],
-        env={**env_for_tests(), "NPROC": "2", "OUT": str(out)},
-        timeout=480,
-    )
-    return out, proc.stdout
+def run_all(early):
+    return early.finished("compare/run_all")
 
 
 def test_run_all_writes_a_figure(run_all):
