@@ -97,11 +97,13 @@ def run_command(
 ) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=ROOT, env=env or env_for_tests(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}"
-            f"\n--- stderr\n{proc.stderr[-5000:]}"
-        )
+        raise command_failed(cmd, f"exited {proc.returncode}", proc.stdout, proc.stderr)
     return proc
+
+
+def command_failed(cmd: list[str], how: str, stdout: str, stderr: str) -> AssertionError:
+    """A command that failed, `how` ("exited 1"), with the ends of what it printed."""
+    return AssertionError(f"{' '.join(cmd)} {how}\n--- stdout\n{stdout[-3000:]}\n--- stderr\n{stderr[-5000:]}")
 
 
 def launch(script: str, nproc: int, args: list[str], out: Path, **kw) -> subprocess.CompletedProcess:

@@ -14,7 +14,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.helpers import ROOT, env_for_tests
+from tests.helpers import ROOT, command_failed, env_for_tests
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,7 @@ class Early:
             ended = f"ran past its {self.commands[key].timeout_s} s"
         stdout, stderr = out.with_suffix(".stdout").read_text(), out.with_suffix(".stderr").read_text()
         if process.returncode != 0:
-            raise AssertionError(
-                f"{' '.join(process.args)} {ended}\n--- stdout\n{stdout[-3000:]}\n--- stderr\n{stderr[-5000:]}"
-            )
+            raise command_failed(process.args, ended, stdout, stderr)
         return out, stdout
 
     def stop(self) -> None:
