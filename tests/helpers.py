@@ -68,7 +68,7 @@ SGD = ["--optimizer", "sgd", "--lr", "0.005"]
 # stayed. 3x that: a bug in the averaging (a sum over 4 ranks, a rank's gradient missing) is 10 to 100x more.
 SGD_FOLLOWS = {"loss": 3e-3, "grad_norm": 1e-2}
 # AdamW's grad_norm against one process, DDP's and FSDP's 30 steps. The runs drift ~1e-7 apart in weight and ~1e-5
-# in grad_norm, but on an AMD EPYC Zen 4 (2026-11-29) every 3- and 4-rank run's grad_norm stood 1.9e-4 from the
+# in grad_norm, but on an AMD EPYC Zen 5 (2026-11-29) every 3- and 4-rank run's grad_norm stood 1.9e-4 from the
 # reference's at step 29 (~1e-5 before it) while the losses stayed 3e-7 apart: computed in float64 from each run's
 # step-28 weights, the two norms are 1.9e-4 apart too, so the gradient itself jumped (a ReLU's or the max pool's
 # input on the other side of its kink), not its arithmetic (docs/comparing.md). 10x that: a gradient off by a
