@@ -167,10 +167,14 @@ def action_graph(orders: Sequence[Sequence[Action]]) -> tuple[list[list[tuple]],
     return keys, inputs
 
 
-def simulate(orders: Sequence[Sequence[Action]], cost: Callable[[int, str], float]) -> tuple[float, list[float]]:
+def simulate(
+    orders: Sequence[Sequence[Action]],
+    cost: Callable[[int, str], float],
+    transfer: Callable[[int, str], float] | None = None,
+) -> tuple[float, list[float]]:
     """(the time the last rank finishes, each rank's busy time) when every rank runs its actions in
     `orders[rank]` and an action takes `cost(stage, kind)`: it starts when its rank is free and its inputs exist
-    (`action_graph`)."""
+    (`action_graph`), what an action sends arriving `transfer(stage, kind)` after it ends (none by default)."""
     keys, inputs = action_graph(orders)
     finished: dict[tuple, float] = {}
     position, free, busy = [0] * len(orders), [0.0] * len(orders), [0.0] * len(orders)
@@ -186,7 +190,7 @@ def simulate(orders: Sequence[Sequence[Action]], cost: Callable[[int, str], floa
                 start = max([free[rank], *ready])
                 free[rank] = start + cost(stage, kind)
                 busy[rank] += cost(stage, kind)
-                finished[key] = free[rank]
+                finished[key] = free[rank] + (transfer(stage, kind) if transfer else 0.0)
                 position[rank] += 1
                 progressed = True
         if not progressed:

@@ -19,8 +19,9 @@ by `python -m bench.machine`). docs/scale.md, "Time", says how to read it.
   exposed). TP's collectives and the numbers logged after backward are on the critical path. On a CPU gloo
   reduces on the cores that compute: nothing hides.
 - **The pipeline**: each rank's stage actions in the order its schedule ran them (the fake step's own order), each
-  costing its operators plus the activation it sends; simulated together (common/pipeline_actions.py), the makespan
-  holds the bubble.
+  costing its operators; the activation or gradient it sends delays the action that receives it, not the sender
+  (a send is asynchronous: `isend`); simulated together (common/pipeline_actions.py), the makespan holds the bubble
+  and the waits for what was sent.
 """
 
 from __future__ import annotations
@@ -317,11 +318,12 @@ def rank_time(count: StepCount, profile: Profile, *, procs_per_node: int, rank: 
 
 
 def simulate_sharing(
-    orders: list[list[tuple[int, str, int]]], cost: Any, *, cores: float, threads: int
+    orders: list[list[tuple[int, str, int]]], cost: Any, *, cores: float, threads: int, transfer: Any = None
 ) -> tuple[float, list[float]]:
     """common/pipeline_actions.simulate on ranks that share `cores`: while k ranks of `threads` threads are busy,
     each advances at min(1, cores / (k x threads)) of its own speed (a rank waiting for its neighbour leaves its
-    core to the others). (the makespan, each rank's busy seconds)."""
+    core to the others); what an action sends arrives `transfer(stage, kind)` seconds after it ends. (the makespan,
+    each rank's busy seconds)."""
     from common.pipeline_actions import action_graph
 
     keys, inputs = action_graph(orders)
@@ -332,21 +334,25 @@ def simulate_sharing(
         for rank, order in enumerate(orders):  # start what can start
             if left[rank] is None and position[rank] < len(order):
                 key = keys[rank][position[rank]]
-                if all(k in finished for k in inputs(key)):
+                if all(finished.get(k, math.inf) <= now for k in inputs(key)):
                     left[rank] = cost(*order[position[rank]][:2])
         running = [r for r in range(len(orders)) if left[r] is not None]
+        arriving = [t for t in finished.values() if t > now]  # sent, not yet there
+        if not running and arriving:
+            now = min(arriving)
+            continue
         if not running:
             if any(position[r] < len(order) for r, order in enumerate(orders)):
                 raise RuntimeError("the recorded action orders depend on each other in a cycle")
             return now, busy
         speed = min(1.0, cores / (len(running) * threads))
-        dt = min(left[r] for r in running) / speed  # type: ignore[operator]
+        dt = min([left[r] / speed for r in running] + [t - now for t in arriving])  # type: ignore[operator]
         now += dt
         for r in running:
             busy[r] += dt
             left[r] -= dt * speed  # type: ignore[operator]
             if left[r] <= 1e-9 * (1 + now):  # type: ignore[operator]  (what rounding leaves of the shortest)
-                finished[keys[r][position[r]]] = now
+                finished[keys[r][position[r]]] = now + (transfer(*orders[r][position[r]][:2]) if transfer else 0.0)
                 position[r], left[r] = position[r] + 1, None
 
 
@@ -354,9 +360,10 @@ def pipeline_time(
     counts: list[StepCount], profile: Profile, *, procs_per_node: int, ranks: list[int]
 ) -> tuple[float, float, list[RankTime]]:
     """(step seconds, bubble share, per rank) of the pipeline ranks `ranks` of one replica, whose `counts` hold the
-    order of their actions: each action costs its operators, its collectives (TP's inside a stage, FSDP's over the
-    replicas) and the activation or gradient it sends; the actions are simulated together, and each rank's work
-    outside them (the optimizer, the logged numbers) is added to the makespan."""
+    order of their actions: each action costs its operators and its collectives (TP's inside a stage, FSDP's over
+    the replicas), and the activation or gradient it sends arrives that much later at the action that needs it; the
+    actions are simulated together, and each rank's work outside them (the optimizer, the logged numbers) is added
+    to the makespan."""
     from common.pipeline_actions import simulate
 
     if not all(count.actions for count in counts):
@@ -364,13 +371,14 @@ def pipeline_time(
     threads = profile.threads(procs_per_node)
     compute_at = profile.for_threads(threads)
     cost: dict[tuple[int, str], float] = {}
+    sent: dict[tuple[int, str], float] = {}  # (stage, kind): seconds of what its runs send, on the receiver's path
     runs: dict[tuple[int, str], int] = {}
     outside, inside = [], []
     for count in counts:
         for stage, kind, _ in count.actions:
             runs[stage, kind] = runs.get((stage, kind), 0) + 1
         rest = StepCount(collectives=[c for c in count.collectives if not c.action])
-        mine = {"forward": 0.0, "backward": 0.0, "overhead": 0.0, "communication": 0.0}  # inside its actions
+        mine = {"forward": 0.0, "backward": 0.0, "overhead": 0.0, "communication": 0.0, "sent": 0.0}  # its actions
         for op in count.ops.values():
             work, more = compute_at.op_parts(op)
             if op.action:
@@ -391,18 +399,27 @@ def pipeline_time(
                 rest.dtensor_calls[phase, action] += calls
         for c in (c for c in count.collectives if c.action):
             key = (int(c.action[:-1]), c.action[-1])
-            cost[key] = cost.get(key, 0.0) + profile.collective_time(c)
-            mine["communication"] += profile.collective_time(c)
+            seconds = profile.collective_time(c)
+            if c.kind == "send":  # (the sender goes on: the receiving action starts that much later)
+                sent[key] = sent.get(key, 0.0) + seconds
+                mine["sent"] += seconds
+            else:
+                cost[key] = cost.get(key, 0.0) + seconds
+                mine["communication"] += seconds
         outside.append(rest)
         inside.append(mine)
     per_action = {key: seconds / runs[key] for key, seconds in cost.items() if runs.get(key)}
     orders = [count.actions for count in counts]
+    per_sent = {key: seconds / runs[key] for key, seconds in sent.items() if runs.get(key)}
     action_cost = lambda stage, kind: per_action.get((stage, kind), 0.0)  # noqa: E731
+    transfer = lambda stage, kind: per_sent.get((stage, kind), 0.0)  # noqa: E731
     if profile.kind == "cpu":  # the ranks share the cores as they are busy, not all the time
         copies = max(1, procs_per_node // len(orders))  # the other replicas' (and TP ranks') same actions, alongside
-        makespan, busy = simulate_sharing(orders, action_cost, cores=profile.cores, threads=threads * copies)
+        makespan, busy = simulate_sharing(
+            orders, action_cost, cores=profile.cores, threads=threads * copies, transfer=transfer
+        )
     else:
-        makespan, busy = simulate(orders, action_cost)
+        makespan, busy = simulate(orders, action_cost, transfer)
     times = [rank_time(rest, profile, procs_per_node=procs_per_node, rank=r) for r, rest in zip(ranks, outside)]
     bubble = 1 - sum(busy) / (len(orders) * makespan) if makespan else 0.0
     for r, busy_s, mine in zip(times, busy, inside):
@@ -410,8 +427,8 @@ def pipeline_time(
         r.bubble_s = makespan - busy_s
         r.sharing_s += max(0.0, busy_s - alone)
         r.overhead_s += mine["overhead"]
-        r.communication["forward"] += mine["communication"]  # (on the critical path: in the makespan)
-        r.exposed["forward"] += mine["communication"]
+        r.communication["forward"] += mine["communication"] + mine["sent"]
+        r.exposed["forward"] += mine["communication"]  # (on its rank's path; a wait for what was sent is bubble)
         r.step_s += makespan
         for phase in ("forward", "backward"):
             r.compute[phase] += mine[phase]

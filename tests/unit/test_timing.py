@@ -155,6 +155,35 @@ def test_the_pipeline_s_step_is_its_schedule_simulated():
     assert [r.bubble_s for r in ranks] == pytest.approx([3e-3, 3e-3])
 
 
+def test_what_a_stage_sends_delays_the_stage_that_receives_it_not_the_sender():
+    # the same two stages, each forward's activation and each backward's gradient 1 MB sent at 1 GB/s (1 ms): stage 0
+    # forwards at 0-1 and 1-2 ms, not waiting for its sends; stage 1 receives at 2 and 3, forwards 2-3 and 3-4,
+    # backward 4-6 and 6-8; stage 0 receives the gradients at 7 and 9: 7-9 and 9-11 ms. Sent from the sender's
+    # time, the step would take 13 ms
+    counts = []
+    for stage in (0, 1):
+        count = StepCount()
+        count.actions = [(stage, "F", 0), (stage, "F", 1), (stage, "B", 0), (stage, "B", 1)]
+        count.ops[("f", stage)] = mm(10**6, "forward", calls=2, action=f"{stage}F")
+        count.ops[("b", stage)] = mm(2 * 10**6, "backward", calls=2, action=f"{stage}B")
+        sends = Collective("send", 2, 10**6, "forward", action="0F") if stage == 0 else None
+        sends = sends or Collective("send", 2, 10**6, "backward", action="1B")
+        count.collectives = [sends, sends]  # (one a micro-batch)
+        counts.append(count)
+    rows = [{"op": "send_recv", "bytes": b, "time_s": b / 1e9} for b in (10**3, 10**6)]
+    compute = {1: Compute({"matmul": 1e9}, 1e9, 0.0)}
+    cpu = Profile("test cpu", "cpu", compute, {"fp32": 1e9}, cores=2, collectives={2: rows})
+    seconds, bubble, ranks = pipeline_time(counts, cpu, procs_per_node=2, ranks=[0, 1])
+    assert seconds == pytest.approx(11e-3) and bubble == pytest.approx(1 - 12 / 22)
+    assert [r.communication["forward"] for r in ranks] == pytest.approx([2e-3, 2e-3])  # on the wire
+    assert [r.exposed["forward"] for r in ranks] == [0, 0]  # its wait is the receiver's: bubble
+    assert [r.bubble_s for r in ranks] == pytest.approx([5e-3, 5e-3])
+    # one core for both: alone until 7 ms, then stage 0's first backward and stage 1's second share it (7-9 ms, half
+    # speed each): stage 1 ends at 9, its gradient arrives at 10, where stage 0 ends its first: 10-12 ms
+    one_core = Profile(**{**vars(cpu), "cores": 1})
+    assert pipeline_time(counts, one_core, procs_per_node=2, ranks=[0, 1])[0] == pytest.approx(12e-3)
+
+
 def test_a_step_predicted_end_to_end_from_planned_ranks():
     from common.config import Config
 
