@@ -138,42 +138,40 @@ def test_a_cpu_collective_costs_a_step_what_was_measured_after_compute_beyond_it
         assert loaded.collective_time(Collective("all_reduce", 2, 10**6, "backward")) == pytest.approx(expected)
 
 
-def test_the_pipeline_s_step_is_its_schedule_simulated():
-    # two stages of 1 ms per forward and 2 ms per backward, 2 micro-batches in GPipe's order: stage 1 runs 1-3 ms
-    # forward and 3-7 ms backward, stage 0 waits for each of its gradients: 5-7 and 7-9 ms. 9 ms, idle 1 - 12 / 18
+def two_stages(sent_bytes: int = 0) -> list[StepCount]:
+    """Two stages of 1 ms per forward and 2 ms per backward (1 GFLOP/s), 2 micro-batches in GPipe's order; with
+    `sent_bytes`, stage 0 sends each forward's activation and stage 1 each backward's gradient."""
     counts = []
     for stage in (0, 1):
         count = StepCount()
         count.actions = [(stage, "F", 0), (stage, "F", 1), (stage, "B", 0), (stage, "B", 1)]
         count.ops[("f", stage)] = mm(10**6, "forward", calls=2, action=f"{stage}F")
         count.ops[("b", stage)] = mm(2 * 10**6, "backward", calls=2, action=f"{stage}B")
+        if sent_bytes:
+            send = Collective("send", 2, sent_bytes, *(("forward", "0F") if stage == 0 else ("backward", "1B")))
+            count.collectives = [send, send]  # (one a micro-batch)
         counts.append(count)
+    return counts
+
+
+def test_the_pipeline_s_step_is_its_schedule_simulated():
+    # stage 1 runs 1-3 ms forward and 3-7 ms backward, stage 0 waits for each of its gradients: 5-7 and 7-9 ms.
+    # 9 ms, idle 1 - 12 / 18
     cpu = Profile("test cpu", "cpu", {1: Compute({"matmul": 1e9}, 1e9, 0.0)}, {"fp32": 1e9}, cores=2)
-    seconds, bubble, ranks = pipeline_time(counts, cpu, procs_per_node=2, ranks=[0, 1])
+    seconds, bubble, ranks = pipeline_time(two_stages(), cpu, procs_per_node=2, ranks=[0, 1])
     assert seconds == pytest.approx(9e-3) and bubble == pytest.approx(1 - 12 / 18)
     assert [r.compute["forward"] + r.compute["backward"] for r in ranks] == pytest.approx([6e-3, 6e-3])
     assert [r.bubble_s for r in ranks] == pytest.approx([3e-3, 3e-3])
 
 
 def test_what_a_stage_sends_delays_the_stage_that_receives_it_not_the_sender():
-    # the same two stages, each forward's activation and each backward's gradient 1 MB sent at 1 GB/s (1 ms): stage 0
-    # forwards at 0-1 and 1-2 ms, not waiting for its sends; stage 1 receives at 2 and 3, forwards 2-3 and 3-4,
-    # backward 4-6 and 6-8; stage 0 receives the gradients at 7 and 9: 7-9 and 9-11 ms. Sent from the sender's
-    # time, the step would take 13 ms
-    counts = []
-    for stage in (0, 1):
-        count = StepCount()
-        count.actions = [(stage, "F", 0), (stage, "F", 1), (stage, "B", 0), (stage, "B", 1)]
-        count.ops[("f", stage)] = mm(10**6, "forward", calls=2, action=f"{stage}F")
-        count.ops[("b", stage)] = mm(2 * 10**6, "backward", calls=2, action=f"{stage}B")
-        sends = Collective("send", 2, 10**6, "forward", action="0F") if stage == 0 else None
-        sends = sends or Collective("send", 2, 10**6, "backward", action="1B")
-        count.collectives = [sends, sends]  # (one a micro-batch)
-        counts.append(count)
+    # each activation and gradient 1 MB sent at 1 GB/s (1 ms): stage 0 forwards at 0-1 and 1-2 ms, not waiting for
+    # its sends; stage 1 receives at 2 and 3, forwards 2-3 and 3-4, backward 4-6 and 6-8; stage 0 receives the
+    # gradients at 7 and 9: 7-9 and 9-11 ms. Sent from the sender's time, the step would take 13 ms
     rows = [{"op": "send_recv", "bytes": b, "time_s": b / 1e9} for b in (10**3, 10**6)]
     compute = {1: Compute({"matmul": 1e9}, 1e9, 0.0)}
     cpu = Profile("test cpu", "cpu", compute, {"fp32": 1e9}, cores=2, collectives={2: rows})
-    seconds, bubble, ranks = pipeline_time(counts, cpu, procs_per_node=2, ranks=[0, 1])
+    seconds, bubble, ranks = pipeline_time(two_stages(10**6), cpu, procs_per_node=2, ranks=[0, 1])
     assert seconds == pytest.approx(11e-3) and bubble == pytest.approx(1 - 12 / 22)
     assert [r.communication["forward"] for r in ranks] == pytest.approx([2e-3, 2e-3])  # on the wire
     assert [r.exposed["forward"] for r in ranks] == [0, 0]  # its wait is the receiver's: bubble
@@ -181,7 +179,7 @@ def test_what_a_stage_sends_delays_the_stage_that_receives_it_not_the_sender():
     # one core for both: alone until 7 ms, then stage 0's first backward and stage 1's second share it (7-9 ms, half
     # speed each): stage 1 ends at 9, its gradient arrives at 10, where stage 0 ends its first: 10-12 ms
     one_core = Profile(**{**vars(cpu), "cores": 1})
-    assert pipeline_time(counts, one_core, procs_per_node=2, ranks=[0, 1])[0] == pytest.approx(12e-3)
+    assert pipeline_time(two_stages(10**6), one_core, procs_per_node=2, ranks=[0, 1])[0] == pytest.approx(12e-3)
 
 
 def test_a_step_predicted_end_to_end_from_planned_ranks():
