@@ -329,7 +329,7 @@ def simulate_sharing(
     keys, inputs = action_graph(orders)
     finished: dict[tuple, float] = {}
     position, left, busy = [0] * len(orders), [None] * len(orders), [0.0] * len(orders)  # left: work of the running
-    now = 0.0
+    now, arriving = 0.0, []  # arriving: when what was sent, and is not there yet, arrives
     while True:
         for rank, order in enumerate(orders):  # start what can start
             if left[rank] is None and position[rank] < len(order):
@@ -337,7 +337,7 @@ def simulate_sharing(
                 if all(finished.get(k, math.inf) <= now for k in inputs(key)):
                     left[rank] = cost(*order[position[rank]][:2])
         running = [r for r in range(len(orders)) if left[r] is not None]
-        arriving = [t for t in finished.values() if t > now]  # sent, not yet there
+        arriving = [t for t in arriving if t > now]
         if not running and arriving:
             now = min(arriving)
             continue
@@ -352,7 +352,9 @@ def simulate_sharing(
             busy[r] += dt
             left[r] -= dt * speed  # type: ignore[operator]
             if left[r] <= 1e-9 * (1 + now):  # type: ignore[operator]  (what rounding leaves of the shortest)
-                finished[keys[r][position[r]]] = now + (transfer(*orders[r][position[r]][:2]) if transfer else 0.0)
+                sent = transfer(*orders[r][position[r]][:2]) if transfer else 0.0
+                finished[keys[r][position[r]]] = now + sent
+                arriving += [now + sent] if sent else []
                 position[r], left[r] = position[r] + 1, None
 
 
@@ -408,11 +410,15 @@ def pipeline_time(
                 mine["communication"] += seconds
         outside.append(rest)
         inside.append(mine)
-    per_action = {key: seconds / runs[key] for key, seconds in cost.items() if runs.get(key)}
     orders = [count.actions for count in counts]
-    per_sent = {key: seconds / runs[key] for key, seconds in sent.items() if runs.get(key)}
-    action_cost = lambda stage, kind: per_action.get((stage, kind), 0.0)  # noqa: E731
-    transfer = lambda stage, kind: per_sent.get((stage, kind), 0.0)  # noqa: E731
+
+    def per_run(totals: dict[tuple[int, str], float]) -> Any:
+        """(stage, kind) -> the seconds of one run of that action, from the totals over its runs."""
+        return lambda stage, kind: (
+            totals.get((stage, kind), 0.0) / runs[stage, kind] if runs.get((stage, kind)) else 0.0
+        )
+
+    action_cost, transfer = per_run(cost), per_run(sent)
     if profile.kind == "cpu":  # the ranks share the cores as they are busy, not all the time
         copies = max(1, procs_per_node // len(orders))  # the other replicas' (and TP ranks') same actions, alongside
         makespan, busy = simulate_sharing(

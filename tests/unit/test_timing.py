@@ -2,6 +2,7 @@
 and the planner's one-line refusals of a profile it cannot use."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -178,7 +179,7 @@ def test_what_a_stage_sends_delays_the_stage_that_receives_it_not_the_sender():
     assert [r.bubble_s for r in ranks] == pytest.approx([5e-3, 5e-3])
     # one core for both: alone until 7 ms, then stage 0's first backward and stage 1's second share it (7-9 ms, half
     # speed each): stage 1 ends at 9, its gradient arrives at 10, where stage 0 ends its first: 10-12 ms
-    one_core = Profile(**{**vars(cpu), "cores": 1})
+    one_core = replace(cpu, cores=1)
     assert pipeline_time(two_stages(10**6), one_core, procs_per_node=2, ranks=[0, 1])[0] == pytest.approx(12e-3)
 
 
