@@ -57,6 +57,12 @@ PP_PARITY = [*PARITY, "--max-steps", "20", "--batch-size", "48"]
 # exact resume repeats such a run (test_resume.py, test_interruptions.py: the same trainings, trained once)
 EXACT = [*SMALL, "--max-steps", "40", "--batch-size", "64", "--dropout", "0", "--lr", "2e-3"]
 EXACT += ["--checkpoint-every", "10"]
+# AdamW clipped by the global gradient norm, the clipping active on most steps (at this batch and learning rate the
+# whole gradient's norm stays above 0.5): test_essentials.py's runs of every FSDP mode against one process, which
+# test_fsdp.py's AdamW parity of the sharding modes reads too (the same trainings, trained once)
+CLIP_STEPS = 20
+CLIP = [*SMALL, "--max-grad-norm", "0.5", "--dropout", "0", "--lr", "1e-4", "--batch-size", "64"]
+CLIP += ["--max-steps", str(CLIP_STEPS), "--warmup-steps", "4"]
 # SGD (momentum 0.9) at a learning rate where the 1-process run is itself stable across thread counts:
 # at 0.02 the loss spikes and 4-rank runs drift 2e-4 from it within 24 steps; at 0.005, over 30 steps, 1- vs
 # 2-thread runs agree to ~2e-6 and 4 ranks to ~3e-5 (measured here).

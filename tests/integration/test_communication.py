@@ -11,10 +11,10 @@ from common.cli import parse_config
 from planner.predict import traffic
 from tests.helpers import PARITY, SMALL, Run, assert_follows, losses, read_run
 
-RING_STEPS = 20
-# profiled from step 3: DDP's second step also broadcasts its rebuilt bucket layout, the pipeline's first infers
-# the activations' shapes
-TRAFFIC = [*SMALL, "--max-steps", "4", "--batch-size", "32", "--profile-steps", "3:4"]
+RING_STEPS = 10
+# one step profiled, the third: DDP's second step also broadcasts its rebuilt bucket layout, the pipeline's first
+# infers the activations' shapes
+TRAFFIC = [*SMALL, "--max-steps", "3", "--batch-size", "32", "--profile-steps", "3:3"]
 TRAFFIC_RUNS = {
     "ddp": ("ddp", []),
     "fsdp-full": ("fsdp", ["--shard-units", "blocks"]),  # the features resharded after forward: gathered twice

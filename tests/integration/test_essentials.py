@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from tests.helpers import (
-    SMALL,
+    CLIP,
+    CLIP_STEPS,
     Run,
     assert_follows,
     grad_norms,
@@ -20,23 +21,7 @@ from tests.helpers import (
     run_command,
 )
 
-STEPS = 20
-# Clipping active on most steps: at this batch and learning rate the whole gradient's norm stays above 0.5
-CLIP = [
-    *SMALL,
-    "--max-grad-norm",
-    "0.5",
-    "--dropout",
-    "0",
-    "--lr",
-    "1e-4",
-    "--batch-size",
-    "64",
-    "--max-steps",
-    str(STEPS),
-    "--warmup-steps",
-    "4",
-]
+STEPS = CLIP_STEPS  # (helpers.CLIP: clipping active on most steps)
 COSINE = ["--lr-schedule", "cosine", "--min-lr", "1e-5", "--warmup-steps", "5", "--lr", "1e-3"]
 # {name: (strategy, flags)} on 4 ranks, each compared with the 1-process run of its reference: FSDP's every mode.
 # DDP, the pipeline (every schedule, replicas) and TP (x 2, x 4, FSDP x TP) clip the ViT's gradients against one

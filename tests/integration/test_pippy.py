@@ -57,9 +57,10 @@ MATRIX = {
     if not (name == "dualpipev" and m < 8)
 }
 DP2 = {
-    "dp2-1f1b-m4": ["--dp", "2", "--eval-every", "10"],  # evaluating mid-run, then training on
-    "dp2-dualpipev-m4": ["--dp", "2", "--schedule", "dualpipev", "--stages-per-rank", "2"],
-    "dp2-zbv-accum2": ["--dp", "2", "--schedule", "zbv", "--stages-per-rank", "2", "--grad-accum-steps", "2"],
+    "dp2-1f1b-m4": ["--dp", "2", "--eval-every", "10"],  # evaluating mid-run, then training on: all 20 steps
+    "dp2-dualpipev-m4": ["--dp", "2", "--schedule", "dualpipev", "--stages-per-rank", "2", "--max-steps", "10"],
+    "dp2-zbv-accum2": ["--dp", "2", "--schedule", "zbv", "--stages-per-rank", "2", "--grad-accum-steps", "2"]
+    + ["--max-steps", "10"],
 }
 # 8 stages on 4 ranks: pipeline rank 1 holds only relu1 and pool, no parameters and no optimizer
 PART1 = ["--schedule", "interleaved-1f1b", "--stages-per-rank", "2", "--max-steps", "12", "--checkpoint-every", "12"]
@@ -118,7 +119,7 @@ def test_pipeline_replicas_match_one_process(name, pipelines, ref):
     run = read_run(pipelines / name)
     assert run["config"]["dp"] == 2 and run["pipeline"]["pp_size"] == 2 and run["world_size"] == 4
     evaluated_at = [e["step"] for e in read_metrics(pipelines / name)[1]]
-    assert evaluated_at == ([10, STEPS] if "--eval-every" in DP2[name] else [STEPS])
+    assert evaluated_at == ([10, STEPS] if "--eval-every" in DP2[name] else [MATRIX_STEPS])
 
 
 def test_the_rank_with_the_last_stage_logs_and_evaluation_method_is_recorded(pipelines, untrained):
