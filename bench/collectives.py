@@ -41,8 +41,11 @@ WARMUP_ITERS, WARMUP_S = 5, 0.05  # nccl-tests' default -w 5, fewer where that w
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 TIMING = "per op: the slowest rank's mean over back-to-back calls (nccl-tests -a 3)"
 # --after-compute: an all-reduce of TP's size in the ViT (512 KiB) after 8 ms of matmuls, about what a step computes
-# between two of its collectives (the ViT under TP: 6 ms); rounds interleaved, the median kept
+# between two of its collectives (the ViT under TP: 6 ms), and after the other compute times of AFTER_CURVE_S: what a
+# step computes between two collectives ranges from a fraction of a millisecond (FSDP's units) to a whole backward
+# (DDP's one bucket); rounds interleaved, the median kept
 AFTER_COMPUTE_S, AFTER_BYTES, AFTER_ROUNDS, AFTER_TARGET_S = 0.008, 512 << 10, 5, 0.5
+AFTER_CURVE_S, QUICK_CURVE_S = (0.001, 0.003, 0.008, 0.024), (0.002, 0.008)
 RUNTIME_MIB = 600  # a CPU worker's peak RSS besides its messages: 526 MiB measured with 1 MiB messages (torch, gloo)
 
 
@@ -224,10 +227,11 @@ def time_op(call: Callable[[], object] | None, env: DistEnv, *, target_s: float)
 def time_after_compute(env: DistEnv, *, quick: bool) -> dict[str, Any]:
     """What an all-reduce costs a training step beyond the table's back-to-back time. A step calls each collective
     after computing, and each rank arrives when its own compute ends: the ranks' compute holds the cores, the peer's
-    gloo threads must be woken and scheduled, and the first to arrive waits for the last. Timed here as the
-    all-reduce of AFTER_BYTES after AFTER_COMPUTE_S of matmuls, less the matmuls alone and the back-to-back
-    all-reduce, per call; the three in turn each round (this machine's speed drifts), the slowest rank's, the median
-    over the rounds. (A GPU's collectives run on their own stream beside compute: this is gloo's.)"""
+    gloo threads must be woken and scheduled, and the first to arrive waits for the last, longer the longer each
+    computed. Timed here as the all-reduce of AFTER_BYTES after each compute time of AFTER_CURVE_S (matmuls), less
+    the matmuls alone and the back-to-back all-reduce, per call; the three in turn each round (this machine's speed
+    drifts), the slowest rank's, the median over the rounds. `extra_s`: after AFTER_COMPUTE_S; `curve`: [compute
+    seconds, extra seconds] at each. (A GPU's collectives run on their own stream beside compute: this is gloo's.)"""
     import torch
     import torch.distributed as dist
 
@@ -246,17 +250,24 @@ def time_after_compute(env: DistEnv, *, quick: bool) -> dict[str, Any]:
         return max(every_rank(mean_s(call, iters, env), env))
 
     slowest_s(20, False, 1)  # warm-up
-    count = max(1, round(AFTER_COMPUTE_S / slowest_s(1, False, 100)))
+    matmul_s = slowest_s(1, False, 100)
     back_to_back = slowest_s(0, True, 10)
     target, rounds = (QUICK_TARGET_S, 1) if quick else (AFTER_TARGET_S, AFTER_ROUNDS)
-    iters = {True: max(MIN_ITERS, round(target / back_to_back)), False: max(MIN_ITERS, round(target / AFTER_COMPUTE_S))}
-    measured = [
-        {"compute_s": slowest_s(count, False, iters[False]), "after_s": slowest_s(count, True, iters[False])}
-        | {"back_to_back_s": slowest_s(0, True, iters[True])}
-        for _ in range(rounds)
-    ]
-    extra = [r["after_s"] - r["compute_s"] - r["back_to_back_s"] for r in measured]
-    return dict(bytes=AFTER_BYTES, matmuls=count, rounds=measured, extra_s=statistics.median(extra))
+    points = []
+    for compute_s in QUICK_CURVE_S if quick else AFTER_CURVE_S:
+        count = max(1, round(compute_s / matmul_s))
+        iters = {True: max(MIN_ITERS, round(target / back_to_back)), False: max(MIN_ITERS, round(target / compute_s))}
+        measured = [
+            {"compute_s": slowest_s(count, False, iters[False]), "after_s": slowest_s(count, True, iters[False])}
+            | {"back_to_back_s": slowest_s(0, True, iters[True])}
+            for _ in range(rounds)
+        ]
+        extra = statistics.median(r["after_s"] - r["compute_s"] - r["back_to_back_s"] for r in measured)
+        compute = statistics.median(r["compute_s"] for r in measured)
+        points.append(dict(target_s=compute_s, matmuls=count, rounds=measured, compute_s=compute, extra_s=extra))
+    at = next(p for p in points if p["target_s"] == AFTER_COMPUTE_S)
+    curve = [[p["compute_s"], p["extra_s"]] for p in points]
+    return dict(bytes=AFTER_BYTES, matmuls=at["matmuls"], rounds=at["rounds"], extra_s=at["extra_s"], curve=curve)
 
 
 def measure(args: argparse.Namespace, env: DistEnv, log: Callable[[str], None]) -> list[dict[str, Any]]:
@@ -307,7 +318,7 @@ def worker(argv: list[str]) -> None:
         results = measure(args, env, log)
         after = time_after_compute(env, quick=args.quick) if args.after_compute else None
         if after:
-            extra = f"{after['extra_s'] * 1e3:+.2f} ms"
+            extra = ", ".join(f"{e * 1e3:+.2f} ms after {c * 1e3:.1f} ms" for c, e in after["curve"])
             log(f"# an all-reduce of {human(after['bytes'])} after compute: {extra} beyond the table's")
         wall_s = watch.elapsed_s()
         ranks_cpu_s = sum(every_rank(cpu_seconds()[1] - watch.cpu_before[1], env))  # every thread of every rank

@@ -15,7 +15,7 @@
   64 MiB on new pages against one into a buffer kept, at each thread count. The operators are then timed on pages
   already mapped (keep_every_page), and the planner adds the first touch of each large storage a step makes;
 - **Collectives**: `bench.collectives` (nccl-tests' definitions) at every group size the runners start, 1 KiB to
-  64 MiB, and what an all-reduce costs a step after its compute beyond that table (`--after-compute`).
+  64 MiB, and what an all-reduce costs a step beyond that table after 1 to 24 ms of compute (`--after-compute`).
 - **Overhead**, of the real eager step: training steps of BabyCNN and of the ViT (two sizes each) at a batch of
   2 timed (at lr 0: the same work, the gradients kept off subnormal floats), less their operators' times alone
   (timed between two timings of the step: the machine's speed drifts), fit as a cost once a step plus one per call
@@ -462,12 +462,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "peak_flops": peak,
         "compute": {str(t): c for t, c in compute.items()},
         "collectives": {str(n): report["results"] for n, report in collectives.items()},
-        "collective_after_compute_s": {str(n): report["after_compute"]["extra_s"] for n, report in collectives.items()},
+        "collective_after_compute_s": {str(n): report["after_compute"]["curve"] for n, report in collectives.items()},
         "overlap": False,
         "sources": {
             "compute": "python -m bench.machine: the suite's models' operators, timed here (bench/machine.py)",
             "collectives": "python -m bench.collectives at each group size, 1 KiB to 64 MiB",
-            "collective_after_compute_s": "python -m bench.collectives --after-compute: 512 KiB after 8 ms of compute",
+            "collective_after_compute_s": "python -m bench.collectives --after-compute: 512 KiB after 1 to 24 ms of "
+            "compute, [compute s, extra s]",
             "peak_flops": "a 2048^3 matmul on all cores, fp32 and bf16 (bench/ceilings.py)",
             "overlap": "gloo reduces on the cores that compute: nothing hides (docs/scale.md, Time)",
         },

@@ -85,6 +85,12 @@ class Collective:
     first_and_stride: tuple[int, int] = (0, 1)  # its group's first global rank, the stride between them (nodes)
     functional: bool = False  # issued by DTensor (TP): the next operator waits on it
     logged: bool = False  # a number the script logs once a step (the loss, the gradient norm), not the model's
+    # what this rank ran since its previous collective: ((StepCount.ops key, calls), ...), DTensor's calls under
+    # DTENSOR_CALL (on a CPU a collective costs more the longer the ranks computed before it: planner/timing.py)
+    before: tuple = field(default=(), compare=False, repr=False)
+
+
+DTENSOR_CALL = ("DTensor call",)  # Collective.before's key for DTensor's own dispatch, which runs no operator
 
 
 @dataclass(frozen=True)
@@ -142,7 +148,7 @@ class StepCount:
         return {
             "flops": by_phase,
             "operator_calls": calls,
-            "collectives": [c.__dict__ for c in self.collectives],
+            "collectives": [{k: v for k, v in c.__dict__.items() if k != "before"} for c in self.collectives],
             "module_flops": dict(self.module_flops),
             "actions": self.actions,
             "dtensor_calls": {"/".join(filter(None, k)): n for k, n in self.dtensor_calls.items()},
@@ -202,6 +208,7 @@ class StepCounter(TorchDispatchMode):
         self._paused = False
         self._after = ""  # the action that ran last: the schedule sends its output, or its gradient, after it
         self._logged = False
+        self._since: dict[tuple, int] = {}  # the operators run since the last collective (Collective.before)
 
     def __enter__(self) -> StepCounter:
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
@@ -295,6 +302,7 @@ class StepCounter(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             if not self._paused:
                 self.count.dtensor_calls[self._current_phase(), self._action] += 1
+                self._since[DTENSOR_CALL] = self._since.get(DTENSOR_CALL, 0) + 1
             return NotImplemented  # DTensor runs it on its local shards, which come back through here
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -309,7 +317,8 @@ class StepCounter(TorchDispatchMode):
             action = self._action or (self._after if kind in ("send", "recv") else "")
             if ranks > 1:  # (DDP all-reduces over a world of one: nothing moves)
                 functional = name.startswith("_c10d_functional")
-                found = Collective(kind, ranks, size, phase, action, (first, stride), functional, self._logged)
+                before, self._since = tuple(self._since.items()), {}
+                found = Collective(kind, ranks, size, phase, action, (first, stride), functional, self._logged, before)
                 self.count.collectives.append(found)
             return out
         if name.startswith(("_c10d_functional", "c10d", "prim.")):
@@ -333,6 +342,7 @@ class StepCounter(TorchDispatchMode):
             fresh = _fresh_bytes(func, out)
             self.count.ops[key] = Op(name, phase, flops, nbytes, 0, self._action, call, dtype, shapes, key[0], fresh)
         self.count.ops[key].calls += 1
+        self._since[key] = self._since.get(key, 0) + 1
         if flops:
             self.count.module_flops[self._module(phase)] += flops
         return out

@@ -12,7 +12,8 @@ by `python -m bench.machine`). docs/scale.md, "Time", says how to read it.
 - **Communication**: every collective at its size on the links its group spans: on a GPU the profile's bus
   bandwidth (nccl-tests' definition) within a node or across the network, plus a latency per call; on this machine
   the time measured for that collective, size and group (bench.collectives' table, interpolated), plus what a
-  collective costs a step after its compute beyond that back-to-back time, where the profile measured it.
+  collective costs a step after its compute beyond that back-to-back time, where the profile measured it: by the
+  compute its rank ran since its previous collective (Collective.before), on the profile's curve.
 - **Overlap**: on a GPU, collectives run beside compute on their own stream: DDP's bucket all-reduces beside the
   rest of backward, FSDP's prefetched all-gathers beside the previous unit, its reduce-scatters beside the next; n
   chunks of compute C and communication A overlapped take max(C + A / n, A + C / n) (one chunk of each is
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError
-from planner.count import Collective, Op, StepCount
+from planner.count import DTENSOR_CALL, Collective, Op, StepCount
 
 PROFILES = Path(__file__).resolve().parent / "profiles"
 MATMULS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm")
@@ -127,8 +128,9 @@ class Profile:
     """A machine: how fast one rank computes and how fast its collectives are. `kind` "gpu": one rank per device,
     `devices_per_node` per node, `links` {"node", "network"}: {"busbw_bytes_per_s", "latency_s"}. `kind` "cpu":
     `cores` shared by the ranks, compute by threads per rank, `collectives` {group size: bench.collectives rows}
-    (none: a machine measured for one process), `after_compute` {group size: seconds a collective costs after
-    compute beyond its row's, bench.collectives --after-compute}."""
+    (none: a machine measured for one process), `after_compute` {group size: [(seconds of compute before it,
+    seconds a collective costs after that compute beyond its row's), ...], bench.collectives --after-compute; one
+    point: that cost whatever the compute, as a profile measured before the curve says}."""
 
     name: str
     kind: str
@@ -138,7 +140,7 @@ class Profile:
     cores: int = 1
     links: dict[str, dict[str, float]] = field(default_factory=dict)
     collectives: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
-    after_compute: dict[int, float] = field(default_factory=dict)
+    after_compute: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
     overlap: bool = False
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -153,8 +155,26 @@ class Profile:
     def for_threads(self, threads: int) -> Compute:
         return self.compute[nearest(self.compute, threads)]
 
-    def collective_time(self, c: Collective) -> float:
-        """One collective's seconds: its bytes over the links its group spans (a GPU), or as measured here."""
+    def after_compute_time(self, group_size: int, compute_s: float) -> float:
+        """What a CPU collective of `group_size` ranks costs beyond its back-to-back time when its rank computed
+        `compute_s` since its previous one: the first rank there waits for the last, the peers' gloo threads are
+        woken on cores the compute holds. On the curve of the group size measured nearest: none after no compute
+        (back to back is the table's), linear between the points, the last point's beyond it; never below zero."""
+        if not self.after_compute or group_size < 2:
+            return 0.0
+        points = sorted(self.after_compute[nearest(self.after_compute, group_size)])
+        if len(points) == 1:  # (one figure for every collective)
+            return max(0.0, points[0][1])
+        x0, y0 = 0.0, 0.0
+        for x1, y1 in points:
+            if compute_s <= x1:
+                return max(0.0, y0 + (y1 - y0) * (compute_s - x0) / (x1 - x0) if x1 > x0 else y1)
+            x0, y0 = x1, y1
+        return max(0.0, y0)
+
+    def collective_time(self, c: Collective, compute_before_s: float = 0.0) -> float:
+        """One collective's seconds: its bytes over the links its group spans (a GPU), or as measured here, after
+        `compute_before_s` of its rank's compute (after_compute_time)."""
         kind = "send" if c.kind in ("send", "recv") else c.kind
         if c.kind == "recv":
             return 0.0  # a transfer is counted once, at its sender; the receiver waits for it in the schedule
@@ -163,10 +183,8 @@ class Profile:
             # tensor (docs/tp.md)
             kind = "all_reduce" if c.functional and kind == "reduce_scatter" else kind
             # a step's collective follows compute: the peers' gloo threads woken on cores their compute holds, the
-            # first rank waiting for the last (bench.collectives --after-compute), at the nearest group measured
-            after = 0.0
-            if self.after_compute and c.group_size > 1:
-                after = max(0.0, self.after_compute[nearest(self.after_compute, c.group_size)])
+            # first rank waiting for the last (bench.collectives --after-compute)
+            after = self.after_compute_time(c.group_size, compute_before_s)
             return self._measured_time(kind, c.group_size, c.bytes) + after
         first, stride = c.first_and_stride
         spans = (first + (c.group_size - 1) * stride) // self.devices_per_node != first // self.devices_per_node
@@ -202,6 +220,14 @@ class Profile:
             seconds = predict_time_s(rows, op, nbytes)
         # a group size not measured: the same bus bandwidth at the measured one's
         return seconds * BUS_FACTOR[kind](ranks) / BUS_FACTOR[kind](measured)
+
+
+def _curve(written: Any) -> list[tuple[float, float]]:
+    """collective_after_compute_s's value: [[compute seconds, extra seconds], ...], or one number (a profile measured
+    before the curve: that cost whatever the compute)."""
+    if isinstance(written, (int, float)):
+        return [(0.008, float(written))]  # (bench.collectives timed it after 8 ms)
+    return [(float(c), float(e)) for c, e in written]
 
 
 def load_profile(name: str) -> Profile:
@@ -249,7 +275,7 @@ def load_profile(name: str) -> Profile:
             cores=int(data.get("cores", 1)),
             links=data.get("links", {}),
             collectives={int(n): rows for n, rows in data.get("collectives", {}).items()},
-            after_compute={int(n): float(s) for n, s in data.get("collective_after_compute_s", {}).items()},
+            after_compute={int(n): _curve(s) for n, s in data.get("collective_after_compute_s", {}).items()},
             overlap=bool(data.get("overlap", False)),
             sources=data.get("sources", {}),
         )
@@ -282,13 +308,32 @@ def _phase_time(compute: float, hidden: float, exposed: float, chunks: int) -> f
     return compute + exposed
 
 
-def rank_time(count: StepCount, profile: Profile, *, procs_per_node: int, rank: int = 0) -> RankTime:
-    """The step of one rank (a pipeline rank: its work outside its actions). What overlaps: on a machine whose
-    collectives run beside compute (a GPU's own stream), DDP's and FSDP's, in forward and backward; not TP's (the
-    next operator waits on them, `Collective.functional`), nor the numbers logged after backward."""
+def _compute_before(c: Collective, ops: dict[tuple, Op], compute_at: Compute, share: float) -> float:
+    """The seconds its rank computed since its previous collective (Collective.before), sharing the cores `share`."""
+    seconds = 0.0
+    for key, calls in c.before:
+        if key == DTENSOR_CALL:
+            seconds += calls * compute_at.dtensor_overhead_s
+        elif (op := ops.get(key)) is not None:
+            seconds += calls * compute_at.op_time(op)
+    return seconds * share
+
+
+def _share(profile: Profile, procs_per_node: int, threads: int) -> float:
+    """How many times over the ranks that compute at once hold a CPU's cores (4 processes on 2: twice)."""
+    return max(1.0, procs_per_node * threads / profile.cores) if profile.kind == "cpu" else 1.0
+
+
+def rank_time(
+    count: StepCount, profile: Profile, *, procs_per_node: int, rank: int = 0, ops: dict[tuple, Op] | None = None
+) -> RankTime:
+    """The step of one rank (a pipeline rank: its work outside its actions; `ops`: the count whose operators its
+    collectives' `before` names, if not this one's). What overlaps: on a machine whose collectives run beside
+    compute (a GPU's own stream), DDP's and FSDP's, in forward and backward; not TP's (the next operator waits on
+    them, `Collective.functional`), nor the numbers logged after backward."""
     threads = profile.threads(procs_per_node)
     compute_at = profile.for_threads(threads)
-    share = max(1.0, procs_per_node * threads / profile.cores) if profile.kind == "cpu" else 1.0
+    share = _share(profile, procs_per_node, threads)
     compute: dict[str, float] = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     overhead = 0.0
     for op in count.ops.values():
@@ -306,7 +351,7 @@ def rank_time(count: StepCount, profile: Profile, *, procs_per_node: int, rank: 
     beside = {phase: 0.0 for phase in compute}
     chunks = {phase: 0 for phase in compute}
     for c in count.collectives:
-        seconds = profile.collective_time(c)
+        seconds = profile.collective_time(c, _compute_before(c, count.ops if ops is None else ops, compute_at, share))
         comm[c.phase] += seconds
         if profile.overlap and not c.functional and c.phase != "optimizer" and c.kind not in ("send", "recv"):
             beside[c.phase] += seconds
@@ -372,6 +417,7 @@ def pipeline_time(
         raise RuntimeError("a pipeline rank's count holds no stage actions: its schedule's stages were not labelled")
     threads = profile.threads(procs_per_node)
     compute_at = profile.for_threads(threads)
+    share = _share(profile, procs_per_node, threads)
     cost: dict[tuple[int, str], float] = {}
     sent: dict[tuple[int, str], float] = {}  # (stage, kind): seconds of what its runs send, on the receiver's path
     runs: dict[tuple[int, str], int] = {}
@@ -401,7 +447,7 @@ def pipeline_time(
                 rest.dtensor_calls[phase, action] += calls
         for c in (c for c in count.collectives if c.action):
             key = (int(c.action[:-1]), c.action[-1])
-            seconds = profile.collective_time(c)
+            seconds = profile.collective_time(c, _compute_before(c, count.ops, compute_at, share))
             if c.kind == "send":  # (the sender goes on: the receiving action starts that much later)
                 sent[key] = sent.get(key, 0.0) + seconds
                 mine["sent"] += seconds
@@ -426,7 +472,10 @@ def pipeline_time(
         )
     else:
         makespan, busy = simulate(orders, action_cost, transfer)
-    times = [rank_time(rest, profile, procs_per_node=procs_per_node, rank=r) for r, rest in zip(ranks, outside)]
+    times = [
+        rank_time(rest, profile, procs_per_node=procs_per_node, rank=r, ops=count.ops)
+        for r, rest, count in zip(ranks, outside, counts)
+    ]
     bubble = 1 - sum(busy) / (len(orders) * makespan) if makespan else 0.0
     for r, busy_s, mine in zip(times, busy, inside):
         alone = mine["forward"] + mine["backward"] + mine["communication"]  # had its actions the cores to themselves

@@ -10,6 +10,7 @@ a background process (tests/integration/plans_ahead.py)."""
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from common.cli import parse_config
 from common.config import Config
 from common.model_sizes import blocks
 from common.versions import NEEDS_PLANNER
+from planner.count import DTENSOR_CALL
 from planner.plan import VIT_VARIANTS, plan, ranks_to_measure, variant_config
 from planner.predict import analytic_flops, traffic
 from planner.report import largest_batch
@@ -148,6 +150,15 @@ def check_count(plans: Plans, name: str, strategy: str, given: list[str], n: int
         where = f"{name}, rank {rank}"
         # per kind of collective, the bytes of the step the fake group saw are those the model and mesh predict
         assert count.collective_bytes() == {k: v["bytes"] for k, v in traffic(cfg, n, rank).items()}, where
+        # each collective holds what its rank ran since the one before it (the compute a CPU collective's cost after
+        # compute is read at): operators of the count, each call in at most one collective's, DTensor's calls too
+        since: Counter = Counter()
+        for c in count.collectives:
+            since.update(dict(c.before))
+        ops = [k for k in since if k != DTENSOR_CALL]
+        assert all(k in count.ops and since[k] <= count.ops[k].calls for k in ops), where
+        assert bool(ops) == bool(count.collectives), where  # (one process: no collective, nothing between them)
+        assert since[DTENSOR_CALL] <= sum(count.dtensor_calls.values()), where
         # the FLOPs of its operators, as torch's formulas count them, are the model's by its sizes; a checkpointed
         # block's forward runs again in backward
         model = analytic_flops(cfg, n, rank)

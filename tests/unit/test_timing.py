@@ -8,7 +8,7 @@ import pytest
 
 from common.errors import ConfigError
 from common.versions import NEEDS_PLANNER
-from planner.count import Collective, Op, StepCount
+from planner.count import DTENSOR_CALL, Collective, Op, StepCount
 from planner.timing import (
     PROFILES,
     Compute,
@@ -121,22 +121,53 @@ def test_a_cpu_collective_costs_a_step_what_was_measured_after_compute_beyond_it
     from dataclasses import asdict
 
     cpu = cpu_profile()
-    cpu.after_compute = {2: 2e-3, 4: 5e-3}  # bench.collectives --after-compute, per group size
-    assert cpu.collective_time(Collective("all_reduce", 2, 10**6, "backward")) == pytest.approx(1e-3 + 2e-3)
-    assert cpu.collective_time(Collective("all_reduce", 8, 10**6, "backward")) == pytest.approx(
-        1e-3 * (2 * 7 / 8) + 5e-3  # the bus bandwidth at 2 ranks', the cost after compute at 4's: the nearest
+    # bench.collectives --after-compute, per group size: (compute before it, what the all-reduce cost beyond its row)
+    cpu.after_compute = {2: [(1e-3, 1e-3), (4e-3, 2e-3)], 4: [(1e-3, 5e-3), (4e-3, 6e-3)]}
+    reduce = lambda n: Collective("all_reduce", n, 10**6, "backward")  # noqa: E731  (the row: 1 ms on 2 ranks)
+    assert cpu.collective_time(reduce(2)) == pytest.approx(1e-3)  # back to back: the row's time alone
+    assert cpu.collective_time(reduce(2), 0.5e-3) == pytest.approx(1e-3 + 0.5e-3)  # from none after no compute
+    assert cpu.collective_time(reduce(2), 2.5e-3) == pytest.approx(1e-3 + 1.5e-3)  # between two points
+    assert cpu.collective_time(reduce(2), 1.0) == pytest.approx(1e-3 + 2e-3)  # beyond the last: its value
+    assert cpu.collective_time(reduce(8), 4e-3) == pytest.approx(
+        1e-3 * (2 * 7 / 8) + 6e-3  # the bus bandwidth at 2 ranks', the cost after compute at 4's: the nearest
     )
-    assert cpu.collective_time(Collective("recv", 2, 10**6, "forward")) == 0  # counted at its sender
-    cpu.after_compute = {2: -1e-4}  # a measurement the noise took below zero costs nothing, not less than the row
-    assert cpu.collective_time(Collective("all_reduce", 2, 10**6, "backward")) == pytest.approx(1e-3)
-    # what bench.machine writes, read back; a profile measured before it had none: the row's time alone
+    assert cpu.collective_time(Collective("recv", 2, 10**6, "forward"), 1.0) == 0  # counted at its sender
+    cpu.after_compute = {2: [(1e-3, -1e-4), (4e-3, -2e-4)]}  # below zero (the noise): nothing, not less than the row
+    assert cpu.collective_time(reduce(2), 2e-3) == pytest.approx(1e-3)
+    # what bench.machine writes, read back; a profile of one figure (measured before the curve): that figure whatever
+    # the compute; one measured before either: the row's time alone
     data = {k: v for k, v in asdict(cpu_profile()).items() if k not in ("compute", "after_compute")}
     data["compute"] = {"1": {"flops": {"matmul": 1e9}, "memory_bytes_per_s": 1e9, "op_overhead_s": 0.0}}
-    for written, expected in (({"2": 2e-3}, 3e-3), (None, 1e-3)):
+    for written, compute_s, expected in (
+        ({"2": [[1e-3, 1e-3], [4e-3, 2e-3]]}, 2.5e-3, 2.5e-3),
+        ({"2": 2e-3}, 0.0, 3e-3),
+        ({"2": 2e-3}, 1.0, 3e-3),
+        (None, 1e-3, 1e-3),
+    ):
         path = tmp_path / "profile.json"
         path.write_text(json.dumps({**data, **({"collective_after_compute_s": written} if written else {})}))
         loaded = load_profile(str(path))
-        assert loaded.collective_time(Collective("all_reduce", 2, 10**6, "backward")) == pytest.approx(expected)
+        assert loaded.collective_time(reduce(2), compute_s) == pytest.approx(expected), written
+
+
+def test_a_collective_costs_after_what_its_rank_computed_since_the_one_before():
+    """Collective.before: the operators (and DTensor's calls) its rank ran since its previous collective, their time
+    on this profile, sharing the cores, is the compute the cost after it is read at."""
+    cpu = cpu_profile()
+    cpu.after_compute = {2: [(1e-3, 1e-3), (1.0, 1.0)]}  # the cost after compute: as long as that compute, to 1 s
+    cpu.compute[1] = replace(cpu.compute[1], dtensor_overhead_s=1e-4)
+    count = StepCount()
+    a, b = ("a",), ("b",)
+    count.ops[a], count.ops[b] = mm(10**6, calls=1), mm(3 * 10**6, calls=2)  # 1 ms and 3 ms a call at 1 thread
+    first = Collective("all_reduce", 2, 10**3, "backward", before=((a, 1),))
+    second = Collective("all_reduce", 2, 10**3, "backward", before=((b, 2), (DTENSOR_CALL, 5)))
+    count.collectives = [first, second]
+    row = 10**3 / 1e9  # the table's time of 1 KB
+    two = rank_time(count, cpu, procs_per_node=2)  # a thread each on 2 cores
+    assert two.communication["backward"] == pytest.approx(2 * row + 1e-3 + (6e-3 + 5e-4))
+    four = rank_time(count, replace(cpu, cores=1), procs_per_node=2)  # 2 ranks on 1 core: the compute takes twice
+    assert four.communication["backward"] == pytest.approx(2 * row + 2 * (1e-3 + 6.5e-3))
+    assert first == Collective("all_reduce", 2, 10**3, "backward")  # (what it follows is not what it is)
 
 
 def two_stages(sent_bytes: int = 0) -> list[StepCount]:
