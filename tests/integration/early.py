@@ -38,9 +38,9 @@ class Early:
             out.mkdir(parents=True)
             with open(out.with_suffix(".stdout"), "w") as stdout, open(out.with_suffix(".stderr"), "w") as stderr:
                 self.started[name] = subprocess.Popen(
-                    [arg.format(out=out) for arg in command.argv],
+                    [arg.replace("{out}", str(out)) for arg in command.argv],  # (an argument may hold code)
                     cwd=ROOT,
-                    env={**env_for_tests(), **{k: v.format(out=out) for k, v in command.env.items()}},
+                    env={**env_for_tests(), **{k: v.replace("{out}", str(out)) for k, v in command.env.items()}},
                     stdout=stdout,
                     stderr=stderr,
                     start_new_session=True,  # (killed whole: kill())

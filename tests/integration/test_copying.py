@@ -1,16 +1,14 @@
 """Copying a strategy: a training loop written here with torch alone, on a model this suite does not define (a
 small MLP), imports each script's wrap (`apply_ddp`, `apply_fsdp` with `fsdp_mesh`, `apply_tp`, `apply_pipeline`
-with `make_schedule`) and trains 10 steps on 2 and 4 gloo processes, the forms with data-parallel replicas
-included (HSDP, FSDP x TP, pipeline replicas); every run follows the loop's own one-process run step by step.
-docs/copying.md shows the same lines."""
+with `make_schedule`) and trains 10 steps on 4 gloo processes, in every form: each wrap over the 4 ranks, and with
+data-parallel replicas (HSDP, FSDP x TP, pipeline replicas); every run follows the loop's own one-process run step
+by step. docs/copying.md shows the same lines."""
 
 import json
-import subprocess
 import sys
 
-import pytest
-
-from tests.helpers import ROOT, env_for_tests, max_abs_diff
+from tests.helpers import max_abs_diff
+from tests.integration.early import Command
 
 # The user's code: nothing of this suite but the four scripts' wraps
 LOOP = """
@@ -107,32 +105,22 @@ def one_process() -> list[float]:
     return losses
 
 
-@pytest.fixture(scope="module")
-def copied(tmp_path_factory) -> dict[int, dict[str, list[float]]]:
-    folder = tmp_path_factory.mktemp("copied")
-    (folder / "loop.py").write_text(LOOP)
-    found = {}
-    for nproc in (2, 4):
-        out = folder / f"losses{nproc}.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-        subprocess.run(
-            [*cmd, str(folder / "loop.py"), str(out)],
-            cwd=folder,
-            env={**env_for_tests(), "PYTHONPATH": str(ROOT)},
-            check=True,
-            capture_output=True,
-            timeout=240,
-        )
-        found[nproc] = json.loads(out.read_text())
-    return found
+# started with the session (tests/integration/early.py): the loop as `python -c`, on each of torchrun's 4 processes
+STARTED = {
+    "loop": Command(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "--no-python"]
+        + [sys.executable, "-c", LOOP, "{out}/losses.json"],
+        timeout_s=240,
+    )
+}
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_every_wrap_copied_into_a_plain_loop_follows_one_process(copied, nproc):
+def test_every_wrap_copied_into_a_plain_loop_follows_one_process(early):
     reference = one_process()
     assert reference[-1] < 0.95 * reference[0]  # it learns, and far more than the tolerance: the check can fail
-    runs = copied[nproc]
-    replicas = {"fsdp dp2", "tp dp2", "pipeline dp2"} if nproc == 4 else set()  # HSDP, FSDP x TP, pipeline x 2
-    assert set(runs) == {"ddp dp1", "fsdp dp1", "tp dp1", "pipeline dp1"} | replicas
+    out, _ = early.finished("copying/loop")
+    runs = json.loads((out / "losses.json").read_text())
+    # every wrap on 4 ranks (a pipeline of 4 stages), then 2 replicas of each: HSDP, FSDP x TP, pipeline x 2
+    assert set(runs) == {"ddp dp1", "fsdp dp1", "tp dp1", "pipeline dp1", "fsdp dp2", "tp dp2", "pipeline dp2"}
     for name, losses in runs.items():
         assert max_abs_diff(losses, reference) <= 1e-5, (name, losses, reference)

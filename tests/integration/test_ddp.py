@@ -171,6 +171,9 @@ def test_ranks_share_weights_but_not_dropout_masks(runs):
 
 
 # --------------------------------------------------------------------------------------------- bad input
+# No network, at once: every download is refused by a proxy that is not there (without one, an offline machine's
+# failed name lookups kept the test waiting ~20 s)
+OFFLINE = {"https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9", "no_proxy": ""}
 BAD_INPUT = [
     (["--dataset", "imagenet"], {}, "--dataset"),
     (["--optimizer", "lamb"], {}, "--optimizer"),
@@ -185,7 +188,7 @@ BAD_INPUT = [
     ([], {"MAX_RESTARTS": "-1"}, "MAX_RESTARTS"),
     ([], {"NNODES": "2"}, "NODE_RANK"),
     ([], {"NNODES": "2", "NODE_RANK": "0"}, "MASTER_ADDR"),
-    (["--dataset", "mnist", "--data-dir", "/nonexistent/mnist"], {}, "--data-dir"),
+    (["--dataset", "mnist", "--data-dir", "{tmp}/mnist"], OFFLINE, "--data-dir"),  # not on disk, not downloadable
     (["--train-size", "64"], {}, "--batch-size"),  # the global batch 128 does not fit in 64 images
     (["--precision", "fp16", "--loss-scale", "1000"], {}, "--loss-scale"),  # not a power of two
     (["--model", "transformer"], {}, "--model"),
@@ -199,7 +202,7 @@ BAD_INPUT = [
 @pytest.mark.parametrize("flags,env,named", BAD_INPUT, ids=[str(b[2]) + str(i) for i, b in enumerate(BAD_INPUT)])
 def test_runner_rejects_bad_input_with_one_line(flags, env, named, tmp_path):
     proc = run_command(
-        ["bash", "run_ddp.sh", *flags, "--out", str(tmp_path / "out")],
+        ["bash", "run_ddp.sh", *(flag.format(tmp=tmp_path) for flag in flags), "--out", str(tmp_path / "out")],
         env={**env_for_tests(), **env},
         check=False,
         timeout=60,

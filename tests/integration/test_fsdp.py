@@ -60,8 +60,9 @@ TEN = ["--max-steps", "10"]
 FOLLOWS = {"loss": 1e-5, "grad_norm": KINK}
 
 
-# the run a worker is killed in during a save, through run_fsdp.sh on 2 processes: a checkpoint every 5 steps
-KILLED = [*PARITY, "--checkpoint-every", "5"]
+# the run a worker is killed in during a save, through run_fsdp.sh on 2 processes: 20 steps, a checkpoint every 5
+KILLED_STEPS = 20
+KILLED = [*PARITY, "--max-steps", str(KILLED_STEPS), "--checkpoint-every", "5"]
 
 # Trainings in the shared launches (tests/integration/conftest.py): every sharding mode on 4 ranks, and the
 # 4-rank step-15 checkpoint of "adamw_full" resumed on 2 ranks (in a copy of that run as it stood then)
@@ -98,11 +99,11 @@ def runs(tmp_path_factory, pool, references):
 @pytest.fixture(scope="session")  # (its tests run on both sides of the shared launches: set up once)
 def killed(tmp_path_factory):
     """run_fsdp.sh on 2 ranks, a checkpoint every 5 steps, one worker SIGKILLed in the middle of a save after step
-    15 (MAX_RESTARTS=0: the job ends); what it left on disk; then the same command with --resume."""
+    10 (MAX_RESTARTS=0: the job ends); what it left on disk; then the same command with --resume."""
     out = tmp_path_factory.mktemp("killed") / "run"
     flags = KILLED
     runner = start_runner("fsdp", flags, out, NPROC="2")
-    rank, output, caught = kill_a_worker_inside_a_save(runner, out, after_step=15)
+    rank, output, caught = kill_a_worker_inside_a_save(runner, out, after_step=10)
     left = {
         "returncode": runner.returncode,
         "killed_rank": rank,
@@ -217,7 +218,7 @@ def test_a_worker_killed_during_a_save_ends_the_job_naming_it(killed):
 
 def test_a_kill_during_a_save_leaves_a_loadable_latest(killed):
     out, left, _ = killed
-    # the interrupted save (after step 20, or 25 if the first was missed) is still a .tmp folder, never
+    # the interrupted save (after step 15, or 20 if the first was missed) is still a .tmp folder, never
     # loaded; the latest is the one before it, and it is sound
     (unfinished,) = left["unfinished"]
     assert unfinished == left["caught"]  # the save the kill interrupted is still a .tmp folder
@@ -230,7 +231,8 @@ def test_resume_on_the_same_world_size_continues_bit_identically(runs, killed):
     assert_resumed(out, int(left["latest"][-7:]), stdout)
     # killed during a save, resumed in a new launch: the remaining steps bit for bit (1e-6 asked for)
     assert losses(out) == losses(runs["killed_twin"])
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{s:07d}" for s in (5, 10, 15, 20, 25, 30)]
+    every_fifth = [f"step_{s:07d}" for s in range(5, KILLED_STEPS + 1, 5)]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == every_fifth
 
 
 @pytest.mark.parametrize("world_size", (2, 1))
@@ -316,7 +318,7 @@ def test_model_pt_is_the_trained_model_for_a_plain_babycnn(runs):
 def test_runner_resumes_and_writes_the_metrics_contract(killed):
     out, _, _ = killed
     train, evals = read_metrics(out)  # fails on a step logged twice
-    assert sorted(train) == list(range(1, PARITY_STEPS + 1)) and [e["step"] for e in evals] == [PARITY_STEPS]
+    assert sorted(train) == list(range(1, KILLED_STEPS + 1)) and [e["step"] for e in evals] == [KILLED_STEPS]
     for record in train.values():
         assert set(record) == {"kind", "step", "loss", "lr", "grad_norm", "samples_per_s", "step_time_s"}
     run = read_run(out)

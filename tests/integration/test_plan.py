@@ -25,6 +25,7 @@ from planner.predict import analytic_flops, traffic
 from planner.report import largest_batch
 from runner.memory import planned_peak_bytes
 from tests.helpers import SMALL, Run, needs_torch, read_run, run_command
+from tests.integration.early import Command
 from tests.integration.plans_ahead import Planned, Plans
 
 pytestmark = needs_torch(NEEDS_PLANNER)  # every test here plans
@@ -235,15 +236,20 @@ def planned_by(item: pytest.Item) -> list[Planned]:
     return []
 
 
-def test_the_planner_command_for_7b_on_4_ranks(tmp_path):
+# started with the session (tests/integration/early.py): the planner as a user runs it
+STARTED = {
+    "7b": Command(
+        [sys.executable, "-m", "planner", "--model-size", "7b", "--world-sizes", "4", "--json", "{out}/7b.json"]
+    )
+}
+
+
+def test_the_planner_command_for_7b_on_4_ranks(early):
     # what the README promises of 7 B: DDP's and FSDP x 4's state per rank next to the textbook's 112 and 28 GB
     # (this model has 7.13 B parameters: 114.1 and 28.5 GB), and the peak beside them; FSDP gathering the whole
     # model as one unit peaks far above a unit per layer
-    out = tmp_path / "plan.json"
-    proc = run_command(
-        [sys.executable, "-m", "planner", "--model-size", "7b", "--world-sizes", "4", "--json", str(out)]
-    )
-    plans = {p["variant"]: p for p in json.loads(out.read_text())}
+    out, stdout = early.finished("plan/7b")
+    plans = {p["variant"]: p for p in json.loads((out / "7b.json").read_text())}
     n = 7_131_015_562
     ddp, per_layer, whole = (
         plans[v]["ranks"][0] for v in ("ddp", "fsdp full, a unit per layer", "fsdp full, one unit")
@@ -252,7 +258,7 @@ def test_the_planner_command_for_7b_on_4_ranks(tmp_path):
     assert abs(per_layer["param_bytes"] - 4 * n / 4) < 1e6  # a quarter, but for the padding of uneven rows
     assert plans["fsdp full, a unit per layer"]["textbook_state_bytes"] == 16 * n / 4
     assert whole["peak_bytes"] > 2 * per_layer["peak_bytes"] > per_layer["param_bytes"] + per_layer["optim_bytes"]
-    assert "| ddp | 4 | 28.52 GB | 28.52 GB | 57.05 GB | 114.10 GB | 114.10 GB |" in proc.stdout
+    assert "| ddp | 4 | 28.52 GB | 28.52 GB | 57.05 GB | 114.10 GB | 114.10 GB |" in stdout
 
 
 def test_the_runner_refuses_a_model_that_does_not_fit_before_torchrun_starts(tmp_path):
