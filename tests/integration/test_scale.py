@@ -12,11 +12,12 @@ import json
 import pytest
 
 from common.model_sizes import stage_starts
-from tests.helpers import PARITY, SGD, Run, assert_follows, assert_resumed, grad_norms, losses, printed, read_run
+from tests.helpers import SGD, SMALL, STABLE, Run, assert_follows, assert_resumed, grad_norms, losses, printed, read_run
 
 STEPS = 8
 RESUME_AT = 4
-FLAGS = [*PARITY, *SGD, "--lr", "0.002", "--max-grad-norm", "0.32", "--model-size", "small"]
+FLAGS = [*SMALL, *STABLE, "--batch-size", "96", *SGD, "--lr", "0.002", "--max-grad-norm", "0.32"]
+FLAGS += ["--model-size", "small"]
 FLAGS += ["--max-steps", str(STEPS), "--checkpoint-every", str(RESUME_AT)]
 # one thread per process, as the ranks have
 FLAGS += ["--threads", "1"]
