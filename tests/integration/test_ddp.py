@@ -312,10 +312,11 @@ def test_resume_refuses_when_every_checkpoint_is_damaged(runs, tmp_path):
 
 # --------------------------------------------------------------------------------------------- several machines
 def test_two_torchrun_agents_reproduce_the_single_agent_curve(runs, tmp_path):
-    """NNODES=2: two runners, 2 processes each, meeting through the c10d rendezvous as two machines would."""
+    """NNODES=2: two runners, a process each (a worker's start costs more than its 12 steps here), meeting through
+    the c10d rendezvous as two machines would."""
     import subprocess
 
-    env = {**env_for_tests(), "NNODES": "2", "NPROC": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env = {**env_for_tests(), "NNODES": "2", "NPROC": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     cmd = ["bash", "run_ddp.sh", *PARITY, "--max-steps", "12", "--out", str(tmp_path / "out")]
     agents = [
         subprocess.Popen(
@@ -329,7 +330,8 @@ def test_two_torchrun_agents_reproduce_the_single_agent_curve(runs, tmp_path):
         for agent in agents:
             agent.kill()
     assert [agent.returncode for agent in agents] == [0, 0], outputs
-    assert read_run(tmp_path / "out")["world_size"] == 4
+    run = read_run(tmp_path / "out")
+    assert run["world_size"] == 2 and [rank["rank"] for rank in run["memory"]["per_rank"]] == [0, 1]
     assert_follows(tmp_path / "out", runs["adamw"], **FOLLOWS, steps=range(1, 13))
 
 

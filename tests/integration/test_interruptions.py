@@ -49,15 +49,17 @@ def uninterrupted(pool):
     return pool / "interruptions"
 
 
-def start(strategy: str, flags: list[str], out: Path, *, limit: tuple[int, int] | None = None) -> subprocess.Popen:
-    """The runner on 2 processes, in a process group of its own, as a terminal starts it (so the test can press
+def start(
+    strategy: str, flags: list[str], out: Path, *, limit: tuple[int, int] | None = None, nproc: int = 2
+) -> subprocess.Popen:
+    """The runner on `nproc` processes, in a process group of its own, as a terminal starts it (so the test can press
     Ctrl-C); with `limit` (resource, bytes) under that limit, which its children inherit."""
 
     def set_limit() -> None:
         if limit:
             resource.setrlimit(limit[0], (limit[1], limit[1]))
 
-    return start_runner(strategy, flags, out, new_session=True, preexec_fn=set_limit, NPROC="2")
+    return start_runner(strategy, flags, out, new_session=True, preexec_fn=set_limit, NPROC=str(nproc))
 
 
 def when_past(runner: subprocess.Popen, out: Path, step: int, act) -> tuple[int, str]:
@@ -224,13 +226,14 @@ def test_a_rank_stuck_past_timeout_s_ends_the_job_in_one_line(tmp_path):
 
 
 def test_memory_run_out_in_the_cpu_allocator_is_one_line(tmp_path):
-    """A real allocation failure: the medium model (155 M parameters) under a 1.5 GB data-segment limit."""
+    """A real allocation failure: the medium model (155 M parameters) under a 1.5 GB data-segment limit (on one
+    process: each rank's failure is its own)."""
     flags = [*SMALL, "--model-size", "medium", "--max-steps", "2"]
-    runner = start("ddp", flags, tmp_path / "run", limit=(resource.RLIMIT_DATA, 1500 << 20))
+    runner = start("ddp", flags, tmp_path / "run", limit=(resource.RLIMIT_DATA, 1500 << 20), nproc=1)
     printed = runner.communicate(timeout=LAUNCH_TIMEOUT_S)[0]
     assert runner.returncode == 1, printed[-3000:]
     (line,) = extra_lines(printed)
-    assert re.match(r"\[rank [01]\] out of memory before the first step \(\d+\.\d\d GiB resident at most\): ", line)
+    assert re.match(r"\[rank 0\] out of memory before the first step \(\d+\.\d\d GiB resident at most\): ", line)
     assert "DefaultCPUAllocator: can't allocate memory" in line and "--model-size" in line
 
 
@@ -251,10 +254,10 @@ def test_cuda_out_of_memory_is_one_line_naming_the_rank_and_the_step():
 
 
 def test_metrics_that_cannot_be_written_are_one_line_and_every_line_kept_is_whole(tmp_path):
-    """metrics.jsonl under a 4 KB file-size limit: it fills up after ~15 records."""
+    """metrics.jsonl under a 4 KB file-size limit: it fills up after ~15 records (on one process: rank 0 writes it)."""
     out = tmp_path / "run"
     flags = [*EXACT, "--checkpoint-every", "0"]
-    runner = start("ddp", flags, out, limit=(resource.RLIMIT_FSIZE, 4096))
+    runner = start("ddp", flags, out, limit=(resource.RLIMIT_FSIZE, 4096), nproc=1)
     printed = runner.communicate(timeout=LAUNCH_TIMEOUT_S)[0]
     assert runner.returncode == 1, printed[-3000:]
     (line,) = extra_lines(printed)

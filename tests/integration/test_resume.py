@@ -99,7 +99,7 @@ def test_a_new_run_in_a_used_folder_moves_the_previous_run_aside(resumed, tmp_pa
     shutil.copytree(resumed / "pippy", used)
     first = snapshot(used)
     proc = run_command(
-        ["bash", "run_ddp.sh", *SMALL, "--max-steps", "3", "--out", str(used)], env={**env_for_tests(), "NPROC": "2"}
+        ["bash", "run_ddp.sh", *SMALL, "--max-steps", "3", "--out", str(used)], env={**env_for_tests(), "NPROC": "1"}
     )
     assert proc.stdout.splitlines()[0].startswith(f"{used} held a previous run: moved it to {used}.1")
     second = snapshot(used)
