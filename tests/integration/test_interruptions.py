@@ -21,6 +21,7 @@ import pytest
 from tests.helpers import (
     EXACT,
     LAUNCH_TIMEOUT_S,
+    ONE_THREAD,
     ROOT,
     SMALL,
     Run,
@@ -36,8 +37,11 @@ from tests.helpers import (
 )
 
 STRATEGIES = ("ddp", "fsdp", "pippy", "tp")
-# the uninterrupted runs (test_resume.py's too): 40 steps at --lr 2e-3, a checkpoint every 10 (helpers.EXACT)
-POOLED = {s: Run(s, EXACT, nproc=2) for s in STRATEGIES}
+# the uninterrupted runs (test_resume.py's too): 40 steps at --lr 2e-3, a checkpoint every 10 (helpers.EXACT), on 2
+# processes; and DDP's on one process, one thread (its story restarts the runner 4 times: a worker's start is ~4
+# CPU-s here)
+ONE = [*EXACT, *ONE_THREAD]
+POOLED = {**{s: Run(s, EXACT, nproc=2) for s in STRATEGIES}, "ddp1": Run("ddp", ONE, nproc=1)}
 # what a run prints when nothing goes wrong: everything else counts against the 3 lines an interruption may add
 TRAINING = re.compile(
     r"^(DDP|FSDP|pipeline|TP) \||^\w[\w-]*: \d+ train|^Baby(CNN|ViT)|^  stage \d|^resum|^(step|eval) +\d+/"
@@ -103,12 +107,13 @@ def assert_continues_exactly(out: Path, reference: Path, stopped_at: int, output
 
 
 def test_ctrl_c_then_two_preemptions_then_the_run_ends_on_the_uninterrupted_curve(uninterrupted, tmp_path):
-    """DDP: Ctrl-C (SIGINT to the runner's process group, as a terminal sends it) once step 13 is logged; the printed
-    command continues; SIGTERM to torchrun alone once step 17 is; continued with --preempt-signal USR2; SIGUSR2 to
-    the runner once step 25 is; continued to the end. Every stop is one or two lines, no traceback; every
-    continuation resumes from the checkpoint the stop left; the curve is the uninterrupted one."""
+    """DDP on one process (that several stop together is SIGUSR1's and the pipeline's story): Ctrl-C (SIGINT to the
+    runner's process group, as a terminal sends it) once step 13 is logged; the printed command continues; SIGTERM
+    to torchrun alone once step 17 is; continued with --preempt-signal USR2; SIGUSR2 to the runner once step 25 is;
+    continued to the end. Every stop is one or two lines, no traceback; every continuation resumes from the
+    checkpoint the stop left; the curve is the uninterrupted one."""
     out = tmp_path / "run"
-    runner = start("ddp", EXACT, out)
+    runner = start("ddp", ONE, out, nproc=1)
     code, printed = when_past(runner, out, 13, lambda: os.killpg(runner.pid, signal.SIGINT))
     assert code == 130, printed[-3000:]
     assert len(extra_lines(printed)) == 1 and "Traceback" not in printed, printed[-3000:]
@@ -117,13 +122,13 @@ def test_ctrl_c_then_two_preemptions_then_the_run_ends_on_the_uninterrupted_curv
     )
     at, latest = int(interrupted.group(1)), int(interrupted.group(3))
     assert 13 <= at < 40 and latest == at // 10 * 10 and interrupted.group(2) == f"{out}/checkpoints/step_{latest:07d}"
-    assert continue_command(printed) == f"NPROC=2 bash run_ddp.sh {shlex.join(EXACT)} --out {out} --resume"
+    assert continue_command(printed) == f"NPROC=1 bash run_ddp.sh {shlex.join(ONE)} --out {out} --resume"
     assert not list((out / "checkpoints").glob("*.tmp"))
 
     # SIGTERM to torchrun alone: it passes it to its workers, which save the step they finish and stop
     before = read_metrics(out)[0]
     code, printed = when_past(
-        start("ddp", [*EXACT, "--resume"], out), out, 17, lambda: os.kill(torchrun_pid(out), signal.SIGTERM)
+        start("ddp", [*ONE, "--resume"], out, nproc=1), out, 17, lambda: os.kill(torchrun_pid(out), signal.SIGTERM)
     )
     assert code == 143 and len(extra_lines(printed)) <= 3 and "Traceback" not in printed, printed[-3000:]
     assert_resumed(out, latest, printed)
@@ -132,8 +137,8 @@ def test_ctrl_c_then_two_preemptions_then_the_run_ends_on_the_uninterrupted_curv
     assert 17 <= stopped < 40 and (out / "checkpoints" / f"step_{stopped:07d}").is_dir(), printed[-3000:]
 
     # --preempt-signal USR2 (a resume may change it), and SIGUSR2 to the runner once step 25 is logged
-    before, usr2 = read_metrics(out)[0], [*EXACT, "--preempt-signal", "USR2", "--resume"]
-    code, printed = when_past(start("ddp", usr2, out), out, 25, lambda: runner_signal(out, signal.SIGUSR2))
+    before, usr2 = read_metrics(out)[0], [*ONE, "--preempt-signal", "USR2", "--resume"]
+    code, printed = when_past(start("ddp", usr2, out, nproc=1), out, 25, lambda: runner_signal(out, signal.SIGUSR2))
     assert code == 128 + signal.SIGUSR2 and len(extra_lines(printed)) <= 3 and "Traceback" not in printed, printed
     assert_resumed(out, stopped, printed)
     assert [read_metrics(out)[0][s] for s in range(1, stopped + 1)] == [before[s] for s in range(1, stopped + 1)]
@@ -142,7 +147,7 @@ def test_ctrl_c_then_two_preemptions_then_the_run_ends_on_the_uninterrupted_curv
     before = read_metrics(out)[0]
     finished = run_shell(continue_command(printed))
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
-    assert_continues_exactly(out, uninterrupted / "ddp", stopped, finished.stdout, before)
+    assert_continues_exactly(out, uninterrupted / "ddp1", stopped, finished.stdout, before)
 
 
 def supervisor_pid(out: Path) -> int:
