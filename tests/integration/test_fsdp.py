@@ -70,8 +70,11 @@ KILLED = [*PARITY, "--max-steps", str(KILLED_STEPS), "--checkpoint-every", "5"]
 # 4-rank step-15 checkpoint of "adamw_full" resumed on 2 ranks (in a copy of that run as it stood then)
 POOLED = {
     "ddp4": Run("ddp", [*PARITY, "--max-steps", "2"]),  # only for its memory record
-    # with dropout (the default 0.1): each rank its own masks
-    "bf16": Run("fsdp", [*SMALL, "--batch-size", "96", "--precision", "bf16", "--sharding", "grad-op"], observe=True),
+    # with dropout (the default 0.1): each rank its own masks; on 2 ranks (what it checks is each rank's, and 4
+    # processes cost the 2 cores ~2x a step)
+    "bf16": Run(
+        "fsdp", [*SMALL, "--batch-size", "96", "--precision", "bf16", "--sharding", "grad-op"], nproc=2, observe=True
+    ),
     "adamw_blocks": Run("fsdp", [*PARITY, *TEN, "--shard-units", "blocks"]),
     "adamw_full": Run("fsdp", [*LONG, "--sharding", "full"]),
     # the other modes' AdamW: test_essentials.py's clipped runs (helpers.CLIP), against their own 1-process run
@@ -183,8 +186,8 @@ def test_ranks_start_from_the_same_weights_but_draw_their_own_dropout_masks(runs
     (dropout 0.1), every rank's layers hold the same weights at their first forward (FSDP gathers them whole), and
     the first dropout masks differ."""
     ranks = observed(runs["bf16"])
-    assert [rank["dropout"]["seed"] for rank in ranks] == [0, 1, 2, 3]
-    assert len({rank["dropout"]["mask"] for rank in ranks}) == 4
+    assert [rank["dropout"]["seed"] for rank in ranks] == [0, 1]
+    assert len({rank["dropout"]["mask"] for rank in ranks}) == 2
     assert len({json.dumps(rank["first_weights"]) for rank in ranks}) == 1 and len(ranks[0]["first_weights"]) == 5
 
 
@@ -287,7 +290,7 @@ def test_bf16_computes_in_bf16_and_learns(runs):
     ranks = observed(runs["bf16"])
     assert [rank["dtypes"] for rank in ranks] == [
         dict.fromkeys(("Conv2d", "LayerNorm", "Linear"), ["torch.bfloat16"])
-    ] * 4
+    ] * 2
     train, evals = read_metrics(runs["bf16"])
     loss = [train[s]["loss"] for s in sorted(train)]
     assert len(loss) == 32 and loss[-1] < 0.5 * loss[0]
@@ -295,7 +298,7 @@ def test_bf16_computes_in_bf16_and_learns(runs):
     run = read_run(runs["bf16"])
     # mixed precision computes in bf16, but the sharded parameters the optimizer updates stay fp32
     memory = run["memory"]
-    theory = state_bytes_theory(1_273_610, shards=4, optimizer="adamw")
+    theory = state_bytes_theory(1_273_610, shards=2, optimizer="adamw")
     assert memory["per_rank"][0]["param_bytes"] == pytest.approx(theory["param_bytes"], rel=0.01)
 
 
