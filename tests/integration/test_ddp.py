@@ -262,19 +262,20 @@ def test_help_lists_flags_with_their_docs():
 
 
 # --------------------------------------------------------------------------------------------- checkpoints
-def _damaged_copy(runs, tmp_path, damage):
+# (these read the runner's run alone, no shared launch: they run beside the launches, not after them)
+def _damaged_copy(runner2, tmp_path, damage):
     """A copy of the 2-rank run folder (checkpoints at steps 10, 20 and 30) with its step-30 checkpoint damaged."""
     out = tmp_path / "run"
-    shutil.copytree(runs["runner2"], out)
+    shutil.copytree(runner2[0], out)
     shard = sorted((out / "checkpoints" / "step_0000030").glob("*.distcp"))[0]
     damage(shard)
     return out
 
 
-def test_a_truncated_checkpoint_is_detected_and_skipped_loudly(runs, tmp_path):
+def test_a_truncated_checkpoint_is_detected_and_skipped_loudly(runner2, tmp_path):
     from common.resume import latest_checkpoint, verify_checkpoint
 
-    out = _damaged_copy(runs, tmp_path, lambda f: f.write_bytes(f.read_bytes()[:1000]))
+    out = _damaged_copy(runner2, tmp_path, lambda f: f.write_bytes(f.read_bytes()[:1000]))
     problem = verify_checkpoint(str(out / "checkpoints" / "step_0000030"))
     assert problem and "truncated" in problem
     warnings = []
@@ -282,7 +283,7 @@ def test_a_truncated_checkpoint_is_detected_and_skipped_loudly(runs, tmp_path):
     assert len(warnings) == 1 and "step_0000030 is damaged" in warnings[0]
 
 
-def test_resume_skips_a_corrupted_checkpoint_and_continues_exactly(runs, tmp_path):
+def test_resume_skips_a_corrupted_checkpoint_and_continues_exactly(runner2, tmp_path):
     """--resume in a new launch: the newest checkpoint (step 30) fails its checksum, so the run resumes from
     step 20 and repeats steps 21-30 of the uninterrupted run."""
 
@@ -291,18 +292,18 @@ def test_resume_skips_a_corrupted_checkpoint_and_continues_exactly(runs, tmp_pat
         data[len(data) // 2] ^= 0xFF
         f.write_bytes(bytes(data))
 
-    out = _damaged_copy(runs, tmp_path, flip_a_byte)
+    out = _damaged_copy(runner2, tmp_path, flip_a_byte)
     before = read_metrics(out)[0]
     proc = launch("train_ddp.py", 2, [*PARITY, "--resume"], out)
     assert "step_0000030 is damaged" in proc.stdout and "does not match its checksum" in proc.stdout
     assert_resumed(out, 20, proc.stdout)
     assert [read_metrics(out)[0][s] for s in range(1, 21)] == [before[s] for s in range(1, 21)]
     assert (out / "checkpoints" / "step_0000030").exists(), "a damaged checkpoint is never deleted"
-    assert losses(out) == losses(runs["runner2"])  # the same 30 steps, each once: bit for bit
+    assert losses(out) == losses(runner2[0])  # the same 30 steps, each once: bit for bit
 
 
-def test_resume_refuses_when_every_checkpoint_is_damaged(runs, tmp_path):
-    out = _damaged_copy(runs, tmp_path, lambda f: f.write_bytes(b""))
+def test_resume_refuses_when_every_checkpoint_is_damaged(runner2, tmp_path):
+    out = _damaged_copy(runner2, tmp_path, lambda f: f.write_bytes(b""))
     for meta in (out / "checkpoints").glob("*/meta.json"):
         meta.write_text("{")
     proc = launch("train_ddp.py", 1, [*PARITY, "--resume"], out, check=False)
