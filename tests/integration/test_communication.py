@@ -32,7 +32,7 @@ TRAFFIC_RUNS = {
 }
 
 POOLED = {
-    # (a ring of 2 is the 4-rank world's even ranks: its sub-group)
+    # (a ring of 2 is either world's even ranks, the sub-group each checks)
     **{f"ring{n}": Run("ring", nproc=n) for n in (3, 4)},
     # two profiled steps each: which collectives carried the gradients
     "builtin": Run("ddp", [*PARITY, "--max-steps", str(RING_STEPS), "--profile-steps", "3:4"]),
