@@ -40,9 +40,9 @@ from tests.helpers import (
 TEN = ["--checkpoint-every", "10"]  # checkpoints after steps 10, 20 and 30
 # |Δloss| and relative |Δgrad_norm| against one process: AdamW over 30 steps measured 8.3e-7 and 9.0e-6 at a batch
 # of 96 (4.8e-7 and 5.9e-7 at PARITY's 48 on a Xeon; with weight decay 1.9e-6 and 1.7e-5 on 4 ranks, 2.4e-7 and
-# 3.0e-8 on 2), and where
-# a ReLU's or the max pool's input crossed its kink in one run only (step 29, on a Zen 5: helpers.KINK) 1.9e-4 in
-# grad_norm, then 3.6e-6 in the loss at step 30, after its one step on the other gradient (SGD's: helpers.SGD_FOLLOWS)
+# 3.0e-8 on 2), and where a ReLU's or the max pool's input crossed its kink in one run only (step 29, on a Zen 5:
+# helpers.KINK) 1.9e-4 in grad_norm, then 3.6e-6 in the loss at step 30, after its one step on the other gradient
+# (SGD's: helpers.SGD_FOLLOWS)
 FOLLOWS = {"loss": 1e-5, "grad_norm": KINK}
 # AdamW's decoupled weight decay, strong enough to move the curve within 20 steps at --lr 1e-4
 DECAY = [*PARITY, "--max-steps", "20", "--weight-decay", "10"]
