@@ -40,6 +40,16 @@ def cpu_seconds() -> tuple[float, float]:
     return busy, own.user + own.system + own.children_user + own.children_system
 
 
+def stolen_seconds() -> float:
+    """CPU seconds the hypervisor gave the machine's cores to other guests since boot (/proc/stat's steal; 0 on
+    bare metal): a VM's vCPU taken away for a few ms stalls a peer waiting in every collective."""
+    try:
+        with open("/proc/stat") as f:
+            return int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -132,7 +142,7 @@ def launch(
     metrics, peaks = out / "metrics.jsonl", {}
     first_record_s, polls, watching_rss, size = None, 0, True, 0
     with open(out / "console.log", "w") as console:
-        started = time.perf_counter()
+        started, stolen = time.perf_counter(), stolen_seconds()
         where = dict(cwd=ROOT, env=env or launch_env(nproc), stdout=console, stderr=subprocess.STDOUT)
         proc = subprocess.Popen(cmd, **where, start_new_session=True)  # a session of its own: killed as one
         while proc.poll() is None and time.perf_counter() - started < timeout_s:
@@ -152,7 +162,8 @@ def launch(
             os.killpg(proc.pid, 9)
             proc.wait()
     wall_s, rss = time.perf_counter() - started, [peaks.get(r) for r in range(nproc)]
-    return {"returncode": proc.returncode, "wall_s": wall_s, "first_record_s": first_record_s, "peak_rss_bytes": rss}
+    ended = {"returncode": proc.returncode, "wall_s": wall_s, "first_record_s": first_record_s, "peak_rss_bytes": rss}
+    return ended | {"stolen_share": (stolen_seconds() - stolen) / (wall_s * CORES)}  # of the cores' time
 
 
 def failure(out: Path, returncode: int) -> str:

@@ -78,6 +78,7 @@ def launch_one(row: dict[str, Any], *, out: Path, steps: int) -> None:
     stats = timing_stats(records(folder), warmup=WARMUP, timed=None, batch_size=row["batch_size"])
     # the median step: a step that another process's burst slowed is the machine's, not the model's
     row["rounds"].append(row["batch_size"] / stats["step_time_s"]["median"])
+    row.setdefault("stolen", []).append(ended["stolen_share"])  # the hypervisor's share of the cores, per launch
 
 
 def finish(row: dict[str, Any]) -> None:
@@ -95,7 +96,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def markdown(rows: list[dict[str, Any]], report: dict[str, Any]) -> str:
-    header = ["model", "strategy", "processes", "measured samples/s", "predicted", "error", "spread"]
+    header = ["model", "strategy", "processes", "measured samples/s", "predicted", "error", "spread", "stolen"]
     header += ["compute ms", "communication ms", "bubble"]
     cells = []
     for r in rows:
@@ -113,7 +114,7 @@ def markdown(rows: list[dict[str, Any]], report: dict[str, Any]) -> str:
                 fmt(m.get("samples_per_s"), ".0f"),
                 fmt(p.get("samples_per_s"), ".0f"),
             ]
-            + [fmt(error, "+.0%"), fmt(spread, ".0%")]
+            + [fmt(error, "+.0%"), fmt(spread, ".0%"), fmt(max(r["stolen"]) if r.get("stolen") else None, ".1%")]
             + [fmt(p.get("compute_s"), ".1f", 1e3), fmt(p.get("communication_s"), ".1f", 1e3)]
             + [fmt(p.get("bubble"), ".0%") if r["strategy"] == "pipeline" else "-"]
         )
@@ -122,7 +123,8 @@ def markdown(rows: list[dict[str, Any]], report: dict[str, Any]) -> str:
         f"{date.today()}, {cpu_name()} ({CORES} cores), torch {report['torch']}; `{report['command']}`.",
         "",
         f"Over {s['runs']} runs: median |error| {s['median_abs_error']:.1%}, largest {s['max_abs_error']:.1%}. "
-        '"spread": the fastest launch of a run over its slowest, less one (the machine\'s own noise).',
+        '"spread": the fastest launch of a run over its slowest, less one (the machine\'s own noise); "stolen": the '
+        "largest share of the cores' time the hypervisor gave other guests during one of its launches.",
         "",
         *md_table(header, cells),
         "",

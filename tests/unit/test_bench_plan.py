@@ -114,3 +114,16 @@ def test_step_breakdown_from_trace_spans():
     assert sum(breakdown["share"].values()) == pytest.approx(1, abs=1e-12)
     with pytest.raises(ValueError, match="two profiled steps"):
         summarize({4: steps[4]})
+
+
+def test_a_launch_reports_its_first_record_and_the_hypervisors_share(tmp_path):
+    import sys
+
+    from bench.launches import launch, stolen_seconds
+
+    metrics = tmp_path / "metrics.jsonl"  # (a launch runs from the suite's root)
+    write = f"import time; time.sleep(0.2); open({str(metrics)!r}, 'w').write('{{}}\\n'); time.sleep(0.2)"
+    ended = launch([sys.executable, "-c", write], out=tmp_path, nproc=1, timeout_s=60, env={"PATH": "/usr/bin"})
+    assert ended["returncode"] == 0 and 0.2 <= ended["first_record_s"] < ended["wall_s"]
+    # steal is the hypervisor's (0 on bare metal): a share of the cores' time, never more than all of it
+    assert 0 <= ended["stolen_share"] <= 1 and stolen_seconds() >= 0
