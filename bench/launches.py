@@ -31,12 +31,17 @@ def launch_env(nproc: int = 1, **extra: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k not in tied}, **ours, **extra}
 
 
+def machine_seconds() -> list[float]:
+    """The whole machine's CPU seconds since boot by kind: /proc/stat's first line (user, nice, system, idle, iowait,
+    irq, softirq, steal, ...)."""
+    with open("/proc/stat") as f:
+        return [int(v) / os.sysconf("SC_CLK_TCK") for v in f.readline().split()[1:]]
+
+
 def cpu_seconds() -> tuple[float, float]:
     """(busy CPU seconds of the whole machine, CPU seconds of this process and its waited-for descendants)."""
-    with open("/proc/stat") as f:
-        jiffies = [int(v) for v in f.readline().split()[1:]]
-    own = os.times()
-    busy = (sum(jiffies) - jiffies[3] - jiffies[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    seconds, own = machine_seconds(), os.times()
+    busy = sum(seconds) - seconds[3] - seconds[4]  # all but idle and iowait
     return busy, own.user + own.system + own.children_user + own.children_system
 
 
@@ -44,8 +49,7 @@ def stolen_seconds() -> float:
     """CPU seconds the hypervisor gave the machine's cores to other guests since boot (/proc/stat's steal; 0 on
     bare metal): a VM's vCPU taken away for a few ms stalls a peer waiting in every collective."""
     try:
-        with open("/proc/stat") as f:
-            return int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
+        return machine_seconds()[7]
     except (OSError, IndexError, ValueError):
         return 0.0
 
