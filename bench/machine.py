@@ -279,13 +279,15 @@ def _step_seconds(step: Any, repeats: int = 20) -> float:
 
 def beyond_operators(step: Any, ops: Any) -> tuple[float, int]:
     """(seconds, kernel calls): what a step spends beyond its operators' own time, the step timed before and after
-    its operators are timed alone (the three close together: the machine's speed drifts), and the calls of its
-    operators that run a kernel (planner/timing.py: VIEWS; a view's cost is its timed one)."""
+    its operators are timed alone (the three close together: the machine's speed drifts), and the calls in forward
+    and backward of its operators that run a kernel: those the per-call cost is charged to (planner/timing.py:
+    Compute.op_parts; a view's cost is its timed one, the optimizer's calls are plain Python)."""
     from planner.timing import VIEWS
 
     before = _step_seconds(step)
     alone = sum(op.calls * (time_op(op) or 0.0) for op in ops.values())
-    return (before + _step_seconds(step)) / 2 - alone, sum(op.calls for op in ops.values() if op.name not in VIEWS)
+    kernels = sum(op.calls for op in ops.values() if op.name not in VIEWS and op.phase != "optimizer")
+    return (before + _step_seconds(step)) / 2 - alone, kernels
 
 
 def split_overhead(measured: list[tuple[float, int]]) -> dict[str, float]:

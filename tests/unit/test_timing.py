@@ -49,6 +49,9 @@ def test_an_operator_takes_its_work_and_its_overhead():
     assert cpu.op_time(Op("aten.relu", "forward", 0, 4_000_000)) == pytest.approx(4e-3 + 1e-5)  # bytes / bandwidth
     assert cpu.op_time(Op("aten.t", "forward", 0, 4_000_000)) == 0  # a view moves nothing, costs no call
     assert cpu.op_time(Op("aten.empty", "forward", 0, 4_000_000)) == pytest.approx(1e-5)  # an allocation: its call
+    # the optimizer's and the gradient norm's calls: plain no-grad Python, no module or autograd node, on a CPU
+    # their work alone (what timing them alone took); on a GPU the host still launches each
+    assert cpu.op_time(Op("aten.add_", "optimizer", 0, 4_000_000)) == pytest.approx(4e-3)
     timed = Op("aten.relu", "forward", 0, 4_000_000, signature="aten.relu.default[]", shapes=((1000,),))
     table = Compute({}, 1e9, 1e-5, operators={operator_key(timed): 7e-3})
     assert table.op_time(timed) == pytest.approx(7e-3 + 1e-5)  # the profile timed this very call
@@ -56,6 +59,7 @@ def test_an_operator_takes_its_work_and_its_overhead():
     assert device.op_time(mm(10**6, dtype="bf16")) == pytest.approx(1e-5)  # a tiny kernel: the launch's time
     assert device.op_time(mm(10**9, dtype="bf16")) == pytest.approx(1e-3)  # a large one: its own
     assert device.op_time(mm(10**9)) == pytest.approx(1e-2)  # no fp32 rate of its own: the class's
+    assert device.op_time(Op("aten.add_", "optimizer", 0, 4)) == pytest.approx(1e-5)
 
 
 def test_overlapped_communication_hides_behind_compute_and_tp_s_does_not():
