@@ -196,34 +196,32 @@ def fit(rows: list[tuple[str, int, int, float, int]]) -> dict[str, Any]:
     }
 
 
-def _eager_step(cfg: Any, model: Any, optimizer: Any) -> None:
-    """One training step as the scripts run it, on 2 samples, in this process."""
+def _eager_step(cfg: Any, model: Any, optimizer: Any, batch: int = 2) -> None:
+    """One training step as the scripts run it, on `batch` samples, in this process."""
     import torch.nn.functional as F
 
     from planner.measure import _batch
 
     optimizer.zero_grad(set_to_none=True)
-    images, labels = _batch(cfg, 2)
+    images, labels = _batch(cfg, batch)
     F.cross_entropy(model(images), labels).backward()
     optimizer.step()
 
 
-def _eager_steps() -> list[tuple[Any, Any]]:
-    """(a step function, its counted operators) for BabyCNN and the ViT (two sizes each: EAGER) at a batch of 2, as
-    the scripts train them, in this process: where the work is small, what an eager step costs besides its
-    operators shows."""
+def _eager_steps(batch: int = 2) -> list[tuple[Any, Any]]:
+    """(a step function, its count) for BabyCNN and the ViT (two sizes each: EAGER) at a batch of 2, as the scripts
+    train them, in this process: where the work is small, what an eager step costs besides its operators shows."""
     from common.config import Config
     from planner.measure import _model
 
     steps = []
     for flags in EAGER:
         cfg = Config(**flags)
-        step, count = _counted_step(cfg, _model(cfg))
-        steps.append((step, count.ops))
+        steps.append(_counted_step(cfg, _model(cfg), batch))
     return steps
 
 
-def _wrapped_steps() -> list[tuple[int, Any, Any]]:
+def _wrapped_steps(batch: int = 2) -> list[tuple[int, Any, Any]]:
     """(its model's index in EAGER, a step function, its count) of BabyCNN and the ViT at a batch of 2 under TP and
     FSDP (a unit per block) on a world of one process, as train_tp.py and train_fsdp.py wrap them: what DTensor's
     calls and FSDP's units cost besides their operators. A gloo group of this process alone (forked measuring
@@ -247,11 +245,11 @@ def _wrapped_steps() -> list[tuple[int, Any, Any]]:
             apply_tp(plain, tp, plain.tp_plan(False)),
             apply_fsdp((fsdp := _model(cfg)), fsdp_mesh("cpu", 1), units=fsdp.blocks()),
         ):
-            steps.append((EAGER.index(flags), *_counted_step(cfg, model)))
+            steps.append((EAGER.index(flags), *_counted_step(cfg, model, batch)))
     return steps
 
 
-def _counted_step(cfg: Any, model: Any) -> tuple[Any, Any]:
+def _counted_step(cfg: Any, model: Any, batch: int = 2) -> tuple[Any, Any]:
     """(the step function of `model` as the scripts train it, its count): three steps first, so the count sees a
     warm step (the optimizer's state made, the caches filled)."""
     from common.training import build_optimizer
@@ -260,7 +258,7 @@ def _counted_step(cfg: Any, model: Any) -> tuple[Any, Any]:
     optimizer = build_optimizer(model.parameters(), cfg)
     for group in optimizer.param_groups:  # the same work at lr 0, the weights kept where they start: trained over
         group["lr"] = 0.0  # and over on 2 samples, the gradients fall to subnormal floats (x75 a convolution on Intel)
-    step = functools.partial(_eager_step, cfg, model, optimizer)
+    step = functools.partial(_eager_step, cfg, model, optimizer, batch)
     for _ in range(3):
         step()
     with StepCounter(model) as counter:
@@ -338,7 +336,7 @@ def _measure(threads: Sequence[int], quick: bool, together: Any, results: Any, i
     ops = counted_ops(quick)
     eager = _eager_steps()
     wrapped = _wrapped_steps()
-    for counted in [ops for _, ops in eager] + [count.ops for _, _, count in wrapped]:
+    for counted in [count.ops for _, count in eager] + [count.ops for _, _, count in wrapped]:
         for op in counted.values():
             ops.setdefault(operator_key(op), op)
     active = [t for t in threads if index < processes_at(t)]
@@ -373,7 +371,7 @@ def _measure(threads: Sequence[int], quick: bool, together: Any, results: Any, i
             found[t]["operators"] = tables[t]
             found[t]["fresh_bytes_per_s"] = fresh[t]
             found[t]["alone_overhead_s"] = found[t]["op_overhead_s"]  # (what the rates add for an operator not timed)
-            overheads = [beyond_operators(step, ops) for step, ops in eager]
+            overheads = [beyond_operators(step, count.ops) for step, count in eager]
             found[t].update(split_overhead(overheads))  # what training steps pay beyond their operators
             timed = [(*beyond_operators(step, count.ops), count, overheads[own]) for own, step, count in wrapped]
             found[t].update(wrapped_overheads(timed, found[t]["op_overhead_s"]))

@@ -274,6 +274,30 @@ def test_the_planner_refuses_what_it_cannot_plan_in_one_line(flags, said, capsys
     assert ended.value.code == 2 and out == "" and len(errors) == 1 and errors[0].startswith(said), err
 
 
+def test_bench_steps_splits_the_prediction_as_the_model_makes_it():
+    """python -m bench.steps: a step's predicted seconds are its operators' work at the profile's rates plus what the
+    profile charges beyond them (a call's cost, DTensor's, an FSDP unit's, once a step), and the measured step is
+    split the same way, by its operators timed alone."""
+    import torch
+
+    from bench.steps import parts
+    from planner.count import StepCounter
+
+    a = torch.ones(64, 64)
+    with StepCounter() as counter:
+        torch.mm(a, a)  # a forward call, outside autograd: one kernel call's cost
+    count = counter.count
+    count.dtensor_calls["forward", ""], count.fsdp_units = 2, 1
+    costs = {"step_overhead_s": 1e-3, "dtensor_overhead_s": 1e-4, "unit_overhead_s": 2e-3}
+    profile = Profile("test", "cpu", {2: Compute({"matmul": 1e9}, 1e9, 1e-5, **costs)}, {"fp32": 1e9}, cores=2)
+    found = parts(lambda: torch.mm(a, a), count, profile, threads=2)
+    assert found["operators_predicted_s"] == pytest.approx(2 * 64**3 / 1e9)
+    assert found["beyond_predicted_s"] == pytest.approx(1e-5 + 2 * 1e-4 + 2e-3 + 1e-3)
+    assert found["predicted_s"] == pytest.approx(found["operators_predicted_s"] + found["beyond_predicted_s"])
+    assert found["operators_alone_s"] > 0 and found["fresh_pages_s"] == 0
+    assert found["beyond_measured_s"] == pytest.approx(found["measured_s"] - found["operators_alone_s"])
+
+
 def test_ranks_that_share_the_cores_share_them_only_while_busy():
     # two ranks, one core: rank 0's forward (1 s) alone runs at full speed; then rank 0's second forward and rank 1's
     # first run together at half speed each (2 s), then rank 1's second alone (1 s): 4 s, each busy 3 s

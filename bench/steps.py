@@ -1,0 +1,98 @@
+"""Where the time model's compute misses, on one process: BabyCNN's and the ViT's training steps, eager and wrapped as
+train_tp.py and train_fsdp.py wrap them on a world of one (the wraps' Python without any collective to wait for),
+each timed for real and set beside the profile's parts of it (planner/timing.py: rank_time):
+
+    python -m bench.steps --profile runs/machine/profile.json              # the runs' batch (128), all cores
+    python -m bench.steps --profile runs/machine/profile.json --batch 2 --threads 1
+
+Per step: its measured seconds; its operators timed alone now, one by one (`bench.machine.time_op`, the profile's
+own way) against the profile's time for the same calls, which tells the machine's drift since the profile from a
+miss of the model; and what the step costs beyond its operators, measured (the step less its operators alone)
+against the profile's overheads (a kernel call's, a DTensor call's, an FSDP unit's, once a step). Each step is
+timed before and after its operators (the machine's speed drifts: bench.machine), all on pages already mapped, as
+the profile timed them; the first touch of new pages a run adds is its own column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from bench.launches import CORES
+from bench.report import fmt, md_table
+
+
+def parts(step: Any, count: Any, profile: Any, threads: int) -> dict[str, float]:
+    """Measured and predicted seconds of one step: the step, its operators alone, and what it costs beyond them."""
+    from bench.machine import _step_seconds, time_op
+    from planner.timing import rank_time
+
+    compute_at = profile.for_threads(threads)
+    before = _step_seconds(step)
+    alone = sum(op.calls * (time_op(op) or 0.0) for op in count.ops.values())
+    measured = (before + _step_seconds(step)) / 2
+    work = sum(op.calls * compute_at.op_parts(op)[0] for op in count.ops.values())
+    fresh = sum(op.calls * op.fresh_bytes for op in count.ops.values()) / (compute_at.fresh_bytes_per_s or float("inf"))
+    # (the steps here run on pages kept, as the profile timed its operators and steps: what a run adds for its new
+    # pages is the last column, left out of the rest)
+    predicted = sum(rank_time(count, profile, procs_per_node=max(1, profile.cores // threads)).compute.values()) - fresh
+    return {
+        "measured_s": measured,
+        "predicted_s": predicted,
+        "operators_alone_s": alone,
+        "operators_predicted_s": work - fresh,
+        "beyond_measured_s": measured - alone,
+        "beyond_predicted_s": predicted - work + fresh,
+        "fresh_pages_s": fresh,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.steps", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profile", required=True, help="the machine's profile (python -m bench.machine)")
+    parser.add_argument("--batch", type=int, default=128, help="samples a step (the runs': 128)")
+    parser.add_argument("--threads", type=int, default=CORES, help="this process's threads (one process: all cores)")
+    parser.add_argument("--json", help="also write every step's parts here")
+    args = parser.parse_args(argv)
+    from runner.entry import fail
+
+    if args.batch < 1 or not 1 <= args.threads <= CORES:
+        fail(f"--batch {args.batch} --threads {args.threads}: a batch of at least 1, and 1 to {CORES} threads")
+    import torch
+
+    from bench.machine import EAGER, _eager_steps, _wrapped_steps, keep_every_page
+    from common.errors import ConfigError
+    from planner.timing import load_profile
+
+    try:
+        profile = load_profile(args.profile)
+    except ConfigError as e:
+        fail(str(e))
+    torch.set_num_threads(args.threads)
+    keep_every_page()  # the steps and operators timed as the profile timed them: on pages already mapped
+    names = [" ".join(f"{v}" for v in flags.values()) or "cnn" for flags in EAGER]
+    steps = [(names[i], "eager", step, count) for i, (step, count) in enumerate(_eager_steps(args.batch))]
+    wrapped = _wrapped_steps(args.batch)  # (TP, then FSDP, of each model in bench.machine.WRAPPED)
+    steps += [(names[own], ("tp", "fsdp")[i % 2], step, count) for i, (own, step, count) in enumerate(wrapped)]
+    rows = [{"model": m, "wrap": wrap, **parts(step, count, profile, args.threads)} for m, wrap, step, count in steps]
+    header = ["model", "wrap", "step ms", "predicted", "error", "operators alone", "predicted", "beyond", "predicted"]
+    header.append("new pages")
+    cells = [
+        [r["model"], r["wrap"], fmt(r["measured_s"], ".1f", 1e3), fmt(r["predicted_s"], ".1f", 1e3)]
+        + [fmt(r["measured_s"] / r["predicted_s"] - 1, "+.0%"), fmt(r["operators_alone_s"], ".1f", 1e3)]
+        + [fmt(r["operators_predicted_s"], ".1f", 1e3), fmt(r["beyond_measured_s"], ".1f", 1e3)]
+        + [fmt(r["beyond_predicted_s"], ".1f", 1e3), fmt(r["fresh_pages_s"], ".1f", 1e3)]
+        for r in rows
+    ]
+    print(f"batch {args.batch}, {args.threads} thread(s), profile {profile.name}; error: measured over predicted")
+    print("\n".join(md_table(header, cells)))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
