@@ -4,6 +4,7 @@ and this machine's profile (planner/timing.py).
 
     python -m bench.time_model                       # measures the profile first (bench.machine), ~40 min on 2 cores
     python -m bench.time_model --profile runs/machine/profile.json --models cnn:baby --procs 1,2
+    python -m bench.time_model --profile runs/machine/profile.json --replan runs/time_model/time_model.json
 
 Writes <out>/time_model.json and time_model.md: per run, predicted and measured samples/s, the error, and the
 prediction's parts (compute, communication, bubble); the median and largest |error| over all runs.
@@ -79,6 +80,16 @@ def launch_one(row: dict[str, Any], *, out: Path, steps: int) -> None:
     # the median step: a step that another process's burst slowed is the machine's, not the model's
     row["rounds"].append(row["batch_size"] / stats["step_time_s"]["median"])
     row.setdefault("stolen", []).append(ended["stolen_share"])  # the hypervisor's share of the cores, per launch
+
+
+def measured_before(path: str) -> dict[tuple[str, str, int], dict[str, Any]]:
+    """{(model, strategy, processes): row} of an earlier report (--replan), or one line saying why it cannot be read."""
+    from runner.entry import fail
+
+    try:
+        return {(r["model"], r["strategy"], r["nproc"]): r for r in json.loads(Path(path).read_text())["rows"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        fail(f"--replan {path}: not a report of python -m bench.time_model ({type(e).__name__}: {e})")
 
 
 def finish(row: dict[str, Any]) -> None:
@@ -178,6 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile", help="this machine's profile (python -m bench.machine); default: measure it")
     parser.add_argument("--rounds", type=int, default=3, help="launches of each run, interleaved; the median counts")
     parser.add_argument("--out", default="runs/time_model")
+    parser.add_argument(
+        "--replan", metavar="TIME_MODEL_JSON", help="launch nothing: an earlier report's measured runs, predicted anew"
+    )
     args = parser.parse_args(argv)
     from common.versions import NEEDS_PLANNER
     from runner.entry import fail, require_torch
@@ -187,6 +201,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         fail(f"--steps: {args.steps} leaves no timed steps after the first {WARMUP}; use at least {WARMUP + 3}")
     if args.rounds < 1:
         fail(f"--rounds: {args.rounds}; at least 1 launch of each run")
+    if args.replan and not args.profile:
+        fail("--replan: give the --profile to predict with (python -m bench.machine wrote it)")
+    earlier = measured_before(args.replan) if args.replan else {}  # (read before the plans: a bad file fails at once)
     import torch
 
     from bench.machine import main as measure_machine
@@ -208,7 +225,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for strategy in args.strategies.split(",")
         for nproc in procs
     ]
-    for round_ in range(args.rounds):  # every run once a round, so that a slow spell of the machine hits all alike
+    if args.replan:  # (a change to the model, or another profile, set beside the very runs measured before)
+        for row in rows:
+            before = earlier.get((row["model"], row["strategy"], row["nproc"]), {})
+            row.update({key: before[key] for key in ("rounds", "stolen", "failed") if key in before})
+    for round_ in range(0 if args.replan else args.rounds):  # every run once a round: a slow spell hits all alike
         for row in (r for r in rows if "predicted" in r and "failed" not in r):
             launch_one(row, out=out, steps=args.steps)
             print(f"[time] round {round_ + 1}: {json.dumps({k: v for k, v in row.items() if k != 'command'})}")

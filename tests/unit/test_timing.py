@@ -274,6 +274,34 @@ def test_the_planner_refuses_what_it_cannot_plan_in_one_line(flags, said, capsys
     assert ended.value.code == 2 and out == "" and len(errors) == 1 and errors[0].startswith(said), err
 
 
+@needs_torch(NEEDS_PLANNER)
+def test_the_time_model_predicts_an_earlier_report_s_runs_anew_and_refuses_what_it_cannot_read(tmp_path, capsys):
+    """bench.time_model --replan: the measured launches of an earlier report beside a new prediction, nothing
+    launched; a file that is not such a report, or no profile, is one line."""
+    from bench.time_model import main
+
+    profile = tmp_path / "profile.json"
+    profile.write_text((PROFILES / "h100-sxm.json").read_text())
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"rows": [{"model": "cnn baby", "strategy": "ddp", "nproc": 1, "rounds": [500.0]}]}))
+    out = tmp_path / "replanned"
+    flags = ["--models", "cnn:baby", "--strategies", "ddp", "--procs", "1", "--profile", str(profile)]
+    assert main([*flags, "--replan", str(earlier), "--out", str(out)]) == 0
+    (row,) = json.loads((out / "time_model.json").read_text())["rows"]
+    assert row["rounds"] == [500.0] and row["measured"]["samples_per_s"] == 500.0  # the earlier launch, not a new one
+    assert row["error"] == pytest.approx(row["predicted"]["samples_per_s"] / 500.0 - 1)
+    earlier.write_text("{not json")
+    for replan, said in (
+        ([*flags, "--replan", str(earlier)], f"error: --replan {earlier}: not a report of python -m bench.time_model"),
+        (["--replan", str(earlier)], "error: --replan: give the --profile to predict with"),
+    ):
+        with pytest.raises(SystemExit) as ended:
+            main([*replan, "--out", str(tmp_path / "refused")])
+        err = capsys.readouterr().err
+        assert ended.value.code == 2 and err.count("\n") == 1 and err.startswith(said), err
+    assert not (tmp_path / "refused" / "time_model.json").exists()
+
+
 def test_bench_steps_splits_the_prediction_as_the_model_makes_it():
     """python -m bench.steps: a step's predicted seconds are its operators' work at the profile's rates plus what the
     profile charges beyond them (a call's cost, DTensor's, an FSDP unit's, once a step), and the measured step is
