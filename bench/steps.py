@@ -1,6 +1,7 @@
 """Where the time model's compute misses, on one process: BabyCNN's and the ViT's training steps, eager and wrapped as
 train_tp.py and train_fsdp.py wrap them on a world of one (the wraps' Python without any collective to wait for),
-each timed for real and set beside the profile's parts of it (planner/timing.py: rank_time):
+and the gradient norm every script takes after backward (common/clipping.py), each timed for real and set beside
+the profile's parts of it (planner/timing.py: rank_time):
 
     python -m bench.steps --profile runs/machine/profile.json              # the runs' batch (128), all cores
     python -m bench.steps --profile runs/machine/profile.json --batch 2 --threads 1
@@ -25,8 +26,9 @@ from bench.launches import CORES
 from bench.report import fmt, md_table
 
 
-def parts(step: Any, count: Any, profile: Any, threads: int) -> dict[str, float]:
-    """Measured and predicted seconds of one step: the step, its operators alone, and what it costs beyond them."""
+def parts(step: Any, count: Any, profile: Any, threads: int, *, whole: bool = True) -> dict[str, float]:
+    """Measured and predicted seconds of one step: the step, its operators alone, and what it costs beyond them.
+    `whole`: a training step (the profile's cost once a step counts); else a part of one (the gradient norm)."""
     from bench.machine import _step_seconds, time_op
     from planner.timing import rank_time
 
@@ -39,6 +41,7 @@ def parts(step: Any, count: Any, profile: Any, threads: int) -> dict[str, float]
     # (the steps here run on pages kept, as the profile timed its operators and steps: what a run adds for its new
     # pages is the last column, left out of the rest)
     predicted = sum(rank_time(count, profile, procs_per_node=max(1, profile.cores // threads)).compute.values()) - fresh
+    predicted -= 0.0 if whole else compute_at.step_overhead_s
     return {
         "measured_s": measured,
         "predicted_s": predicted,
@@ -48,6 +51,32 @@ def parts(step: Any, count: Any, profile: Any, threads: int) -> dict[str, float]
         "beyond_predicted_s": predicted - work + fresh,
         "fresh_pages_s": fresh,
     }
+
+
+def norm_steps() -> list[tuple[Any, Any]]:
+    """(the scripts' gradient norm of a model's gradients as a step, its count in the optimizer phase, as the planner
+    counts it) for each model of bench.machine.EAGER: ~100 calls of small operators in a loop of plain Python."""
+    import functools
+
+    import torch
+
+    from bench.machine import EAGER
+    from common.clipping import clip_grad_norm
+    from common.config import Config
+    from planner.count import StepCounter
+    from planner.measure import _model
+
+    steps = []
+    for flags in EAGER:
+        model = _model(Config(**flags))
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        step = functools.partial(clip_grad_norm, list(model.parameters()), 0.0)  # (0: measured only, as logged)
+        step()
+        with StepCounter(model) as counter, counter.phase("optimizer"):
+            step()
+        steps.append((step, counter.count))
+    return steps
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -77,7 +106,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     steps = [(names[i], "eager", step, count) for i, (step, count) in enumerate(_eager_steps(args.batch))]
     wrapped = _wrapped_steps(args.batch)  # (TP, then FSDP, of each model in bench.machine.WRAPPED)
     steps += [(names[own], ("tp", "fsdp")[i % 2], step, count) for i, (own, step, count) in enumerate(wrapped)]
-    rows = [{"model": m, "wrap": wrap, **parts(step, count, profile, args.threads)} for m, wrap, step, count in steps]
+    steps += [(names[i], "grad norm", step, count) for i, (step, count) in enumerate(norm_steps())]
+    rows = [
+        {"model": m, "wrap": wrap, **parts(step, count, profile, args.threads, whole=wrap != "grad norm")}
+        for m, wrap, step, count in steps
+    ]
     header = ["model", "wrap", "step ms", "predicted", "error", "operators alone", "predicted", "beyond", "predicted"]
     header.append("new pages")
     cells = [

@@ -324,6 +324,8 @@ def test_bench_steps_splits_the_prediction_as_the_model_makes_it():
     assert found["predicted_s"] == pytest.approx(found["operators_predicted_s"] + found["beyond_predicted_s"])
     assert found["operators_alone_s"] > 0 and found["fresh_pages_s"] == 0
     assert found["beyond_measured_s"] == pytest.approx(found["measured_s"] - found["operators_alone_s"])
+    part = parts(lambda: torch.mm(a, a), count, profile, threads=2, whole=False)  # a part of a step: no cost once
+    assert part["beyond_predicted_s"] == pytest.approx(1e-5 + 2 * 1e-4 + 2e-3)
 
 
 def test_ranks_that_share_the_cores_share_them_only_while_busy():
