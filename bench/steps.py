@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fail(str(e))
     torch.set_num_threads(args.threads)
     keep_every_page()  # the steps and operators timed as the profile timed them: on pages already mapped
-    names = [" ".join(f"{v}" for v in flags.values()) or "cnn" for flags in EAGER]
+    names = [f"{flags.get('model', 'cnn')} {flags.get('model_size', 'baby')}" for flags in EAGER]
     steps = [(names[i], "eager", step, count) for i, (step, count) in enumerate(_eager_steps(args.batch))]
     wrapped = _wrapped_steps(args.batch)  # (TP, then FSDP, of each model in bench.machine.WRAPPED)
     steps += [(names[own], ("tp", "fsdp")[i % 2], step, count) for i, (own, step, count) in enumerate(wrapped)]
@@ -123,7 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"batch {args.batch}, {args.threads} thread(s), profile {profile.name}; error: measured over predicted")
     print("\n".join(md_table(header, cells)))
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1))
+        command = " ".join(["python -m bench.steps", *(argv if argv is not None else sys.argv[1:])])
+        Path(args.json).write_text(json.dumps({"command": command, "rows": rows}, indent=1))
     return 0
 
 

@@ -328,6 +328,23 @@ def test_bench_steps_splits_the_prediction_as_the_model_makes_it():
     assert part["beyond_predicted_s"] == pytest.approx(1e-5 + 2 * 1e-4 + 2e-3)
 
 
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--profile", "tpu-v9"], "error: --profile: no profile 'tpu-v9'"),
+        (["--profile", "h100-sxm", "--batch", "0"], "error: --batch 0 --threads 2: a batch of at least 1"),
+    ],
+)
+def test_bench_steps_refuses_what_it_cannot_measure_in_one_line(flags, said, capsys, monkeypatch):
+    import bench.steps
+
+    monkeypatch.setattr(bench.steps, "CORES", 2)  # (the message names this machine's cores)
+    with pytest.raises(SystemExit) as ended:
+        bench.steps.main(flags)
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and err.count("\n") == 1 and err.startswith(said), err
+
+
 def test_ranks_that_share_the_cores_share_them_only_while_busy():
     # two ranks, one core: rank 0's forward (1 s) alone runs at full speed; then rank 0's second forward and rank 1's
     # first run together at half speed each (2 s), then rank 1's second alone (1 s): 4 s, each busy 3 s
