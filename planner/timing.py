@@ -7,9 +7,9 @@ by `python -m bench.machine`). docs/scale.md, "Time", says how to read it.
   convolution, attention); its overhead what an eager call in forward or backward costs besides (its module,
   autograd; on a GPU the host's launch of any kernel, hidden by work that takes longer); once a step what the
   optimizer and autograd's start cost in Python, each DTensor call's dispatch and each FSDP unit's hooks, where
-  the profile measured them. On a CPU, the first touch of each
-  storage of 32 MiB or more the step makes (Op.fresh_bytes: glibc maps it afresh), and ranks that share the cores
-  more than once (4 processes on 2) get their share.
+  the profile measured them. On a CPU, the first touch of each storage of 32 MiB or more the step makes
+  (Op.fresh_bytes: glibc maps it afresh), and ranks that share the cores more than once (4 processes on 2) get
+  their share.
 - **Communication**: every collective at its size on the links its group spans: on a GPU the profile's bus
   bandwidth (nccl-tests' definition) within a node or across the network, plus a latency per call; on this machine
   the time measured for that collective, size and group (bench.collectives' table, interpolated), plus what a
@@ -116,7 +116,8 @@ class Compute:
             return work, max(0.0, (0.0 if op.name in VIEWS else self.op_overhead_s) - work)
         # a CPU: what an eager call costs beyond its own (its module's Python, autograd's node) is forward's and
         # backward's; the optimizer's and the gradient norm's calls run in plain no-grad Python, which timing the
-        # operator alone already pays (the ViT's gradient norm, 417 calls: 2.4 ms, its operators alone 2.2 ms)
+        # operator alone already pays (the ViT's gradient norm, 417 calls: 1.7 ms, its operators alone 1.8 ms,
+        # python -m bench.steps)
         overhead = 0.0 if op.name in VIEWS or op.phase == "optimizer" else self.op_overhead_s
         return work, overhead
 
