@@ -209,8 +209,9 @@ def _eager_step(cfg: Any, model: Any, optimizer: Any, batch: int = 2) -> None:
 
 
 def _eager_steps(batch: int = 2) -> list[tuple[Any, Any]]:
-    """(a step function, its count) for BabyCNN and the ViT (two sizes each: EAGER) at a batch of 2, as the scripts
-    train them, in this process: where the work is small, what an eager step costs besides its operators shows."""
+    """(a step function, its count) for BabyCNN and the ViT (two sizes each: EAGER) at `batch` samples, as the
+    scripts train them, in this process: at the fit's 2, where the work is small, what an eager step costs besides
+    its operators shows."""
     from common.config import Config
     from planner.measure import _model
 
@@ -222,7 +223,7 @@ def _eager_steps(batch: int = 2) -> list[tuple[Any, Any]]:
 
 
 def _wrapped_steps(batch: int = 2) -> list[tuple[int, Any, Any]]:
-    """(its model's index in EAGER, a step function, its count) of BabyCNN and the ViT at a batch of 2 under TP and
+    """(its model's index in EAGER, a step function, its count) of BabyCNN and the ViT at `batch` samples under TP and
     FSDP (a unit per block) on a world of one process, as train_tp.py and train_fsdp.py wrap them: what DTensor's
     calls and FSDP's units cost besides their operators. A gloo group of this process alone (forked measuring
     processes: one each)."""
@@ -277,15 +278,13 @@ def _step_seconds(step: Any, repeats: int = 20) -> float:
 
 def beyond_operators(step: Any, ops: Any) -> tuple[float, int]:
     """(seconds, kernel calls): what a step spends beyond its operators' own time, the step timed before and after
-    its operators are timed alone (the three close together: the machine's speed drifts), and the calls in forward
-    and backward of its operators that run a kernel: those the per-call cost is charged to (planner/timing.py:
-    Compute.op_parts; a view's cost is its timed one, the optimizer's calls are plain Python)."""
-    from planner.timing import VIEWS
+    its operators are timed alone (the three close together: the machine's speed drifts), and the calls the per-call
+    cost is charged to (planner/timing.py: pays_call_cost)."""
+    from planner.timing import pays_call_cost
 
     before = _step_seconds(step)
     alone = sum(op.calls * (time_op(op) or 0.0) for op in ops.values())
-    kernels = sum(op.calls for op in ops.values() if op.name not in VIEWS and op.phase != "optimizer")
-    return (before + _step_seconds(step)) / 2 - alone, kernels
+    return (before + _step_seconds(step)) / 2 - alone, sum(op.calls for op in ops.values() if pays_call_cost(op))
 
 
 def split_overhead(measured: list[tuple[float, int]]) -> dict[str, float]:

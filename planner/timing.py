@@ -114,15 +114,19 @@ class Compute:
             work += op.fresh_bytes / self.fresh_bytes_per_s
         if self.launch_overlaps:  # a GPU: the host launches every kernel, the optimizer's too
             return work, max(0.0, (0.0 if op.name in VIEWS else self.op_overhead_s) - work)
-        # a CPU: what an eager call costs beyond its own (its module's Python, autograd's node) is forward's and
-        # backward's; the optimizer's and the gradient norm's calls run in plain no-grad Python, which timing the
-        # operator alone already pays (the ViT's gradient norm, 417 calls: 1.7 ms, its operators alone 1.8 ms,
-        # python -m bench.steps)
-        overhead = 0.0 if op.name in VIEWS or op.phase == "optimizer" else self.op_overhead_s
-        return work, overhead
+        return work, self.op_overhead_s if pays_call_cost(op) else 0.0
 
     def op_time(self, op: Op) -> float:
         return sum(self.op_parts(op))
+
+
+def pays_call_cost(op: Op) -> bool:
+    """Whether a CPU charges `op`'s calls what an eager call costs beyond its work (its module's Python, autograd's
+    node): a kernel's call in forward or backward. Not a view's (no kernel: its cost is its timed one), nor the
+    optimizer's and the gradient norm's, which run in plain no-grad Python that timing the operator alone already
+    pays (the ViT's gradient norm, 417 calls: 1.7 ms, its operators alone 1.8 ms, python -m bench.steps). The
+    profile's fit counts the same calls (bench/machine.py: beyond_operators)."""
+    return op.name not in VIEWS and op.phase != "optimizer"
 
 
 def nearest(measured: Iterable[int], n: int) -> int:
