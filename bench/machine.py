@@ -3,13 +3,14 @@
     python -m bench.machine                       # runs/machine/profile.json (~16 min on 2 cores)
     python -m planner --model-size small --profile runs/machine/profile.json
 
-- **Compute**, on the models' own operators: the planner counts one training step of each strategy for the models
-  the suite trains (planner/count.py records every operator with its shapes), and each distinct operator is run
-  here on real tensors at every thread count the runners give a process (cores / processes), timed in as many
-  processes at once as such a run starts (they share memory bandwidth and caches as the run's processes do), the
-  thread counts in turn on each operator (side by side: the machine's speed drifts between minutes). Per thread
-  count a least-squares fit of `overhead + FLOPs / FLOP/s` (matmuls, convolutions, attention: a rate each) and
-  `overhead + bytes / bandwidth` (the rest) over those operators, each weighted by its calls in the steps;
+- **Compute**, on the models' own operators: the planner counts one training step of each strategy for the models the
+  suite trains (planner/count.py records every operator with its shapes), and each distinct operator is run here on
+  real tensors (copies rotated over 64 MiB: out of the caches, as in a step) at every thread count the runners give a
+  process (cores / processes), timed in as many processes at once as such a run starts (they share memory bandwidth
+  and caches as the run's processes do), the thread counts in turn on each operator (side by side: the machine's speed
+  drifts between minutes). Per thread count a least-squares fit of `overhead + FLOPs / FLOP/s` (matmuls, convolutions,
+  attention: a rate each) and `overhead + bytes / bandwidth` (the rest) over those operators, each weighted by its
+  calls in the steps;
 - **First touch of new pages**: the runs' allocator maps every buffer of 32 MiB or more afresh
   (common/distributed.py: keep_freed_memory), and the OS zero-fills its pages as they are first written; a fill of
   64 MiB on new pages against one into a buffer kept, at each thread count. The operators are then timed on pages
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import queue
 import statistics
 import subprocess
@@ -48,6 +50,7 @@ STRATEGIES = {"ddp": {}, "fsdp": {"shard_units": "blocks"}, "tp": {}, "pippy": {
 WORLDS = (1, 2, 4)
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 MIN_TIMED_S, MIN_REPEATS = 0.05, 5
+COLD_BYTES = 64 << 20  # the inputs an operator is timed on rotate over this much: twice these EPYCs' L3 (32 MiB)
 PER_CALL = ("step_overhead_s", "op_overhead_s", "dtensor_overhead_s", "unit_overhead_s")  # Python's, measured
 EAGER = ({}, {"model_size": "small"}, {"model": "vit"}, {"model": "vit", "model_size": "small"})  # sizes: the fit
 WRAPPED = ({}, {"model": "vit"})  # under TP and FSDP; each one of EAGER, the step it is set against
@@ -81,11 +84,13 @@ def counted_ops(quick: bool = False) -> dict[str, Any]:
     return found
 
 
-def time_op(op: Any) -> float | None:
-    """Median seconds of one call of `op` on real tensors (random floats, zero indices), or None where it cannot
-    run outside its step (FSDP's storage resizes, a view of a freed buffer)."""
+def cold_inputs(op: Any, spread: int = COLD_BYTES) -> list[tuple[Any, Any]]:
+    """Copies of `op`'s (args, kwargs) on real tensors (random floats, zero indices), as many as span `spread` bytes
+    (2 to 256): timed in turn, each call reads inputs last touched `spread` bytes ago, out of the caches, as in a step,
+    where an operator reads what others wrote before it (the ViT's step at the runs' batch: its operators took 26-41 %
+    longer in it than on inputs kept in cache, 9-12 % longer than on inputs rotated: docs/scale.md)."""
     import torch
-    from torch.utils._pytree import tree_map_only
+    from torch.utils._pytree import tree_flatten, tree_map_only
 
     from planner.count import TensorSpec
 
@@ -93,12 +98,23 @@ def time_op(op: Any) -> float | None:
         tensor = torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype)
         return tensor.normal_() if tensor.is_floating_point() else tensor.zero_()
 
-    func, args, kwargs = op.call
+    _, args, kwargs = op.call
+    specs = [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, TensorSpec)]
+    one = sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in specs)
+    copies = min(256, max(2, math.ceil(spread / max(one, 1))))
+    return [tree_map_only(TensorSpec, real, (args, kwargs)) for _ in range(copies)]
+
+
+def time_op(op: Any) -> float | None:
+    """Median seconds of one call of `op` on its `cold_inputs`, each copy in turn, or None where it cannot run
+    outside its step (FSDP's storage resizes, a view of a freed buffer)."""
+    func = op.call[0]
     try:
-        args, kwargs = tree_map_only(TensorSpec, real, (args, kwargs))
-        func(*args, **kwargs)
+        inputs = cold_inputs(op)
+        func(*inputs[0][0], **inputs[0][1])
         times, started = [], time.perf_counter()
-        while len(times) < MIN_REPEATS or time.perf_counter() - started < MIN_TIMED_S:
+        while len(times) < max(MIN_REPEATS, len(inputs)) or time.perf_counter() - started < MIN_TIMED_S:
+            args, kwargs = inputs[len(times) % len(inputs)]
             begin = time.perf_counter()
             func(*args, **kwargs)
             times.append(time.perf_counter() - begin)

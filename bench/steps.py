@@ -8,7 +8,8 @@ the profile's parts of it (planner/timing.py: rank_time):
 
 Per step: its measured seconds; its operators timed alone now, one by one (`bench.machine.time_op`, the profile's
 own way) against the profile's time for the same calls, which tells the machine's drift since the profile from a
-miss of the model; and what the step costs beyond its operators, measured (the step less its operators alone)
+miss of the model; the same operators timed inside the step (eager steps and the gradient norm), against alone, what
+the step's order costs them; and what the step costs beyond its operators, measured (the step less its operators alone)
 against the profile's overheads (a kernel call's, a DTensor call's, an FSDP unit's, once a step). Each step is
 timed before and after its operators (the machine's speed drifts: bench.machine), all on pages already mapped, as
 the profile timed them; the first touch of new pages a run adds is its own column.
@@ -26,9 +27,35 @@ from bench.launches import CORES
 from bench.report import fmt, md_table
 
 
-def parts(step: Any, count: Any, profile: Any, threads: int, *, whole: bool = True) -> dict[str, float]:
-    """Measured and predicted seconds of one step: the step, its operators alone, and what it costs beyond them.
-    `whole`: a training step (the profile's cost once a step counts); else a part of one (the gradient norm)."""
+def operators_inside(step: Any, repeats: int = 5) -> float:
+    """Seconds a step's operators take inside it: each aten call of `repeats` steps timed as it runs (a dispatch mode
+    around each; its own cost falls outside the timed calls). Against the same operators timed alone this is what
+    the step's order costs them: inputs that others wrote before, out of the caches."""
+    import time
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Timed(TorchDispatchMode):
+        seconds = 0.0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            started = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            self.seconds += time.perf_counter() - started
+            return out
+
+    with (timed := Timed()):
+        for _ in range(repeats):
+            step()
+    return timed.seconds / repeats
+
+
+def parts(
+    step: Any, count: Any, profile: Any, threads: int, *, whole: bool = True, inside: bool = True
+) -> dict[str, float | None]:
+    """Measured and predicted seconds of one step: the step, its operators alone and inside it, and what it costs
+    beyond them. `whole`: a training step (the profile's cost once a step counts); else a part of one (the gradient
+    norm). `inside`: time its operators inside it too (not under DTensor, whose own dispatch would count as theirs)."""
     from bench.machine import _step_seconds, time_op
     from planner.timing import rank_time
 
@@ -46,6 +73,7 @@ def parts(step: Any, count: Any, profile: Any, threads: int, *, whole: bool = Tr
         "measured_s": measured,
         "predicted_s": predicted,
         "operators_alone_s": alone,
+        "operators_inside_s": operators_inside(step) if inside else None,
         "operators_predicted_s": work - fresh,
         "beyond_measured_s": measured - alone,
         "beyond_predicted_s": predicted - work + fresh,
@@ -108,10 +136,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     steps += [(names[own], ("tp", "fsdp")[i % 2], step, count) for i, (own, step, count) in enumerate(wrapped)]
     steps += [(names[i], "grad norm", step, count) for i, (step, count) in enumerate(norm_steps())]
     rows = [
-        {"model": m, "wrap": wrap, **parts(step, count, profile, args.threads, whole=wrap != "grad norm")}
+        {
+            "model": m,
+            "wrap": wrap,
+            **parts(
+                step, count, profile, args.threads, whole=wrap != "grad norm", inside=wrap in ("eager", "grad norm")
+            ),
+        }
         for m, wrap, step, count in steps
     ]
-    header = ["model", "wrap", "step ms", "predicted", "error", "operators alone", "predicted", "beyond", "predicted"]
+    header = ["model", "wrap", "step ms", "predicted", "error", "operators alone", "inside", "predicted", "beyond"]
+    header.append("predicted")
     header.append("new pages")
     cells = [
         [r["model"], r["wrap"], fmt(r["measured_s"], ".1f", 1e3), fmt(r["predicted_s"], ".1f", 1e3)]

@@ -323,6 +323,7 @@ def test_bench_steps_splits_the_prediction_as_the_model_makes_it():
     assert found["beyond_predicted_s"] == pytest.approx(1e-5 + 2 * 1e-4 + 2e-3 + 1e-3)
     assert found["predicted_s"] == pytest.approx(found["operators_predicted_s"] + found["beyond_predicted_s"])
     assert found["operators_alone_s"] > 0 and found["fresh_pages_s"] == 0
+    assert 0 < found["operators_inside_s"] < found["measured_s"]  # its one mm, timed in the step
     assert found["beyond_measured_s"] == pytest.approx(found["measured_s"] - found["operators_alone_s"])
     part = parts(lambda: torch.mm(a, a), count, profile, threads=2, whole=False)  # a part of a step: no cost once
     assert part["beyond_predicted_s"] == pytest.approx(1e-5 + 2 * 1e-4 + 2e-3)
@@ -433,6 +434,24 @@ def test_the_profile_s_measuring_steps_keep_their_gradients_off_subnormal_floats
         step()
     tiny = torch.finfo(torch.float32).tiny
     assert sum(int(((p.grad.abs() < tiny) & (p.grad != 0)).sum()) for p in model.parameters()) == 0
+
+
+def test_the_profile_times_each_operator_on_inputs_out_of_the_caches():
+    import torch
+
+    from bench.machine import COLD_BYTES, cold_inputs, time_op
+    from planner.count import StepCounter
+
+    a = torch.ones(256, 256)  # 256 KiB; mm reads two: 512 KiB a call
+    with StepCounter() as counter:
+        torch.mm(a, a)
+    (op,) = counter.count.ops.values()
+    copies = cold_inputs(op)  # timed in turn: a call's inputs were last read COLD_BYTES of other inputs ago
+    assert len(copies) == COLD_BYTES // (512 << 10)
+    pointers = {tensor.data_ptr() for args, _ in copies for tensor in args}
+    assert len(pointers) == 2 * len(copies)  # every input its own memory, the two of a call apart too
+    assert not torch.equal(copies[0][0][0], copies[1][0][0])  # random floats in each
+    assert time_op(op) > 0
 
 
 def test_a_step_s_large_new_storages_are_counted_and_take_their_first_touch_at_the_profile_s_rate():
