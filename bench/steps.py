@@ -81,6 +81,22 @@ def parts(
     }
 
 
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    """The rows of `parts` (with their model and wrap) as a markdown table, milliseconds."""
+    header = ["model", "wrap", "step ms", "predicted", "error", "operators alone", "inside", "predicted", "beyond"]
+    header.append("predicted")
+    header.append("new pages")
+    cells = [
+        [r["model"], r["wrap"], fmt(r["measured_s"], ".1f", 1e3), fmt(r["predicted_s"], ".1f", 1e3)]
+        + [fmt(r["measured_s"] / r["predicted_s"] - 1, "+.0%"), fmt(r["operators_alone_s"], ".1f", 1e3)]
+        + [fmt(r["operators_inside_s"], ".1f", 1e3)]
+        + [fmt(r["operators_predicted_s"], ".1f", 1e3), fmt(r["beyond_measured_s"], ".1f", 1e3)]
+        + [fmt(r["beyond_predicted_s"], ".1f", 1e3), fmt(r["fresh_pages_s"], ".1f", 1e3)]
+        for r in rows
+    ]
+    return md_table(header, cells)
+
+
 def norm_steps() -> list[tuple[Any, Any]]:
     """(the scripts' gradient norm of a model's gradients as a step, its count in the optimizer phase, as the planner
     counts it) for each model of bench.machine.EAGER: ~100 calls of small operators in a loop of plain Python."""
@@ -145,18 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         for m, wrap, step, count in steps
     ]
-    header = ["model", "wrap", "step ms", "predicted", "error", "operators alone", "inside", "predicted", "beyond"]
-    header.append("predicted")
-    header.append("new pages")
-    cells = [
-        [r["model"], r["wrap"], fmt(r["measured_s"], ".1f", 1e3), fmt(r["predicted_s"], ".1f", 1e3)]
-        + [fmt(r["measured_s"] / r["predicted_s"] - 1, "+.0%"), fmt(r["operators_alone_s"], ".1f", 1e3)]
-        + [fmt(r["operators_predicted_s"], ".1f", 1e3), fmt(r["beyond_measured_s"], ".1f", 1e3)]
-        + [fmt(r["beyond_predicted_s"], ".1f", 1e3), fmt(r["fresh_pages_s"], ".1f", 1e3)]
-        for r in rows
-    ]
     print(f"batch {args.batch}, {args.threads} thread(s), profile {profile.name}; error: measured over predicted")
-    print("\n".join(md_table(header, cells)))
+    print("\n".join(table(rows)))
     if args.json:
         command = " ".join(["python -m bench.steps", *(argv if argv is not None else sys.argv[1:])])
         Path(args.json).write_text(json.dumps({"command": command, "rows": rows}, indent=1))
