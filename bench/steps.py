@@ -83,9 +83,8 @@ def parts(
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
     """The rows of `parts` (with their model and wrap) as a markdown table, milliseconds."""
-    header = ["model", "wrap", "step ms", "predicted", "error", "operators alone", "inside", "predicted", "beyond"]
-    header.append("predicted")
-    header.append("new pages")
+    header = ["model", "wrap", "step ms", "predicted", "error", "operators alone", "inside", "predicted"]
+    header += ["beyond", "predicted", "new pages"]
     cells = [
         [r["model"], r["wrap"], fmt(r["measured_s"], ".1f", 1e3), fmt(r["predicted_s"], ".1f", 1e3)]
         + [fmt(r["measured_s"] / r["predicted_s"] - 1, "+.0%"), fmt(r["operators_alone_s"], ".1f", 1e3)]
