@@ -292,15 +292,21 @@ def _step_seconds(step: Any, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
-def beyond_operators(step: Any, ops: Any) -> tuple[float, int]:
-    """(seconds, kernel calls): what a step spends beyond its operators' own time, the step timed before and after
-    its operators are timed alone (the three close together: the machine's speed drifts), and the calls the per-call
-    cost is charged to (planner/timing.py: pays_call_cost)."""
-    from planner.timing import pays_call_cost
-
+def step_and_operators(step: Any, ops: Any) -> tuple[float, float]:
+    """(the step's seconds, its operators' seconds timed alone): the step timed before and after its operators (the
+    three close together: the machine's speed drifts)."""
     before = _step_seconds(step)
     alone = sum(op.calls * (time_op(op) or 0.0) for op in ops.values())
-    return (before + _step_seconds(step)) / 2 - alone, sum(op.calls for op in ops.values() if pays_call_cost(op))
+    return (before + _step_seconds(step)) / 2, alone
+
+
+def beyond_operators(step: Any, ops: Any) -> tuple[float, int]:
+    """(seconds, kernel calls): what a step spends beyond its operators' own time (`step_and_operators`), and the
+    calls the per-call cost is charged to (planner/timing.py: pays_call_cost)."""
+    from planner.timing import pays_call_cost
+
+    measured, alone = step_and_operators(step, ops)
+    return measured - alone, sum(op.calls for op in ops.values() if pays_call_cost(op))
 
 
 def split_overhead(measured: list[tuple[float, int]]) -> dict[str, float]:

@@ -56,13 +56,11 @@ def parts(
     """Measured and predicted seconds of one step: the step, its operators alone and inside it, and what it costs
     beyond them. `whole`: a training step (the profile's cost once a step counts); else a part of one (the gradient
     norm). `inside`: time its operators inside it too (not under DTensor, whose own dispatch would count as theirs)."""
-    from bench.machine import _step_seconds, time_op
+    from bench.machine import step_and_operators
     from planner.timing import rank_time
 
     compute_at = profile.for_threads(threads)
-    before = _step_seconds(step)
-    alone = sum(op.calls * (time_op(op) or 0.0) for op in count.ops.values())
-    measured = (before + _step_seconds(step)) / 2
+    measured, alone = step_and_operators(step, count.ops)
     work = sum(op.calls * compute_at.op_parts(op)[0] for op in count.ops.values())
     fresh = sum(op.calls * op.fresh_bytes for op in count.ops.values()) / (compute_at.fresh_bytes_per_s or float("inf"))
     # (the steps here run on pages kept, as the profile timed its operators and steps: what a run adds for its new
