@@ -12,7 +12,6 @@ per size (time_op); rank 0 prints the table and writes collectives.json and coll
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import math
 import os
@@ -53,22 +52,6 @@ def bus_factor(op: str, n: int) -> float:
     """nccl-tests' busbw / algbw on n ranks: the share of the size each rank sends (docs/communication.md)."""
     share = (n - 1) / n  # an all-reduce is a reduce-scatter then an all-gather
     return 2 * share if op.startswith("all_reduce") else share if op in ("reduce_scatter", "all_gather") else 1.0
-
-
-def predict_time_s(results: list[dict[str, Any]], op: str, size_bytes: float) -> float:
-    """The time of one `op` of `size_bytes` (nccl-tests' size) from collectives.json's "results": log-log between the
-    measured sizes around it, else the nearest end's (clamped: measure up to the sizes you ask about). No torch."""
-    points = sorted((float(r["bytes"]), float(r["time_s"])) for r in results if r["op"] == op)
-    if not points:
-        raise ValueError(f"no rows for op {op!r}; the results hold {sorted({r['op'] for r in results})}")
-    if not size_bytes > 0:
-        raise ValueError(f"size_bytes must be positive, got {size_bytes}")
-    i = bisect.bisect_left([size for size, _ in points], size_bytes)
-    if i == 0 or i == len(points) or points[i][0] == size_bytes:  # at or outside the ends, or a measured size
-        return points[min(i, len(points) - 1)][1]
-    (size_hi, time_hi), (size_lo, time_lo) = points[i], points[i - 1]
-    fraction = math.log(size_bytes / size_lo) / math.log(size_hi / size_lo)
-    return math.exp(math.log(time_lo) + fraction * math.log(time_hi / time_lo))
 
 
 class _Parser(argparse.ArgumentParser):

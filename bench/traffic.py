@@ -16,10 +16,10 @@ import sys
 from dataclasses import fields
 from typing import Any
 
-from bench.collectives import predict_time_s
 from bench.report import md_table
 from common.config import Config
 from planner.predict import traffic
+from planner.timing import predict_time_s
 
 COLUMNS = ["rank", "collective", "predicted elements", "counted elements", "MB sent", "MB received", "calls"]
 COLUMNS += ["benchmark ms", "measured ms"]

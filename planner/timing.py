@@ -28,6 +28,7 @@ by `python -m bench.machine`). docs/scale.md, "Time", says how to read it.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import statistics
@@ -206,8 +207,6 @@ class Profile:
         return steps * link["latency_s"] + c.bytes * BUS_FACTOR[kind](n) / link["busbw_bytes_per_s"]
 
     def _measured_time(self, kind: str, ranks: int, nbytes: int) -> float:
-        from bench.collectives import predict_time_s
-
         op = "send_recv" if kind == "send" else kind
         sizes = [n for n, rows in self.collectives.items() if any(r["op"] == op for r in rows)]
         if not nbytes:
@@ -231,6 +230,22 @@ class Profile:
             seconds = predict_time_s(rows, op, nbytes)
         # a group size not measured: the same bus bandwidth at the measured one's
         return seconds * BUS_FACTOR[kind](ranks) / BUS_FACTOR[kind](measured)
+
+
+def predict_time_s(results: list[dict[str, Any]], op: str, size_bytes: float) -> float:
+    """The time of one `op` of `size_bytes` (nccl-tests' size) from collectives.json's "results": log-log between the
+    measured sizes around it, else the nearest end's (clamped: measure up to the sizes you ask about). No torch."""
+    points = sorted((float(r["bytes"]), float(r["time_s"])) for r in results if r["op"] == op)
+    if not points:
+        raise ValueError(f"no rows for op {op!r}; the results hold {sorted({r['op'] for r in results})}")
+    if not size_bytes > 0:
+        raise ValueError(f"size_bytes must be positive, got {size_bytes}")
+    i = bisect.bisect_left([size for size, _ in points], size_bytes)
+    if i == 0 or i == len(points) or points[i][0] == size_bytes:  # at or outside the ends, or a measured size
+        return points[min(i, len(points) - 1)][1]
+    (size_hi, time_hi), (size_lo, time_lo) = points[i], points[i - 1]
+    fraction = math.log(size_bytes / size_lo) / math.log(size_hi / size_lo)
+    return math.exp(math.log(time_lo) + fraction * math.log(time_hi / time_lo))
 
 
 def _curve(written: Any) -> list[tuple[float, float]]:
