@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+MB = 10**6  # decimal megabytes, the unit `python -m planner` and the docs use (not MiB)
+
 # What must agree for two loss curves to be comparable step by step.
 MUST_MATCH = {
     "dataset": "data set",
@@ -151,7 +153,7 @@ def table_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
                 "final train loss": final.get("train_loss"),
                 "test accuracy": final.get("test_accuracy"),
                 "samples/s": final.get("samples_per_s"),
-                "memory/rank (MiB)": max(run.memory_per_rank()) / 2**20,
+                "memory/rank (MB)": max(run.memory_per_rank()) / MB,
                 "max |Δloss| vs ref": max_loss_delta(run, runs[0]),
                 "max rel |Δgrad_norm| vs ref": max_grad_norm_delta(run, runs[0]),
                 **({"skipped (fp16)": run.skipped} if any(r.skipped is not None for r in runs) else {}),
@@ -252,18 +254,18 @@ def plot(runs: Sequence[Run], out: str, *, log_scale: bool) -> None:
         for rank, value in enumerate(per_rank):
             ax_mem.bar(
                 i - 0.4 + width * (rank + 0.5),
-                value / 2**20,
+                value / MB,
                 width=width * 0.9,
                 color=colors[i],
                 edgecolor="black",
                 linewidth=0.3,
             )
         if run.cuda_peak() is not None:
-            ax_mem.plot([i - 0.4, i + 0.4], [run.cuda_peak() / 2**20] * 2, color="black", linestyle=":")
+            ax_mem.plot([i - 0.4, i + 0.4], [run.cuda_peak() / MB] * 2, color="black", linestyle=":")
     ax_mem.set_xticks(range(len(runs)), names)
     ax_mem.set(
         title="memory per rank: parameters + gradients + optimizer state\n(one bar per rank; dotted: CUDA peak)",
-        ylabel="MiB",
+        ylabel="MB (10^6 bytes)",
     )
     for ax in (ax_speed, ax_mem):
         ax.tick_params(axis="x", rotation=20)
