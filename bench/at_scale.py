@@ -15,7 +15,6 @@ fake step, counted) timed on a published profile (planner/profiles/).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -23,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
+from bench.launches import Parser, numbers
 from bench.report import fmt, md_table
 
 TIMM = "huggingface/pytorch-image-models results/benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv"
@@ -93,89 +93,58 @@ def sweeps(model: str, size: str, worlds: Sequence[int], batches: Sequence[int])
 
 
 def _row(world: int, batch: int, step: Any) -> dict[str, Any]:
-    share = step.exposed_s / step.step_s if step.step_s else 0.0
-    return {
-        "gpus": world,
-        "per_gpu_batch": batch,
-        "step_s": step.step_s,
-        "samples_per_s": step.samples_per_s,
-        "mfu": step.mfu,
-        "communication_s": step.communication_s,
-        "exposed_s": step.exposed_s,
-        "exposed_share": share,
-    }
+    row = {"gpus": world, "per_gpu_batch": batch, "exposed_share": step.exposed_s / step.step_s if step.step_s else 0.0}
+    return row | {k: getattr(step, k) for k in ("step_s", "samples_per_s", "mfu", "communication_s", "exposed_s")}
+
+
+SWEEP_COLUMNS = [  # (title, cell of a sweep's row)
+    ("GPUs", lambda r: r["gpus"]),
+    ("batch per GPU", lambda r: r["per_gpu_batch"]),
+    ("step ms", lambda r: fmt(r["step_s"], ".1f", 1e3)),
+    ("samples/s", lambda r: fmt(r["samples_per_s"], ",.0f")),
+    ("MFU", lambda r: fmt(r["mfu"], ".0%")),
+    ("communication ms", lambda r: fmt(r["communication_s"], ".1f", 1e3)),
+    ("exposed ms", lambda r: fmt(r["exposed_s"], ".1f", 1e3)),
+    ("exposed", lambda r: fmt(r["exposed_share"], ".0%")),
+]
+EXTRA = {"tp": [("TP degree", lambda r: r["tp"])], "pipeline": [("schedule", lambda r: r["schedule"])]}
+EXTRA["pipeline"].append(("bubble", lambda r: fmt(r["bubble"], ".0%")))
+PUBLISHED_COLUMNS = [
+    ("system", lambda r: r["what"]),
+    ("GPUs", lambda r: r["gpus"]),
+    ("batch per GPU", lambda r: r["per_gpu_batch"]),
+    ("measured samples/s", lambda r: fmt(r["measured"], ",.0f")),
+    ("predicted", lambda r: fmt(r["predicted"], ",.0f")),
+    ("error", lambda r: fmt(r["error"], "+.0%")),
+    ("predicted MFU", lambda r: fmt(r["mfu_predicted"], ".0%")),
+]
 
 
 def markdown(report: dict[str, Any]) -> str:
+    table = lambda columns, rows: md_table([t for t, _ in columns], ([cell(r) for _, cell in columns] for r in rows))
     lines = [f"`{report['command']}`, torch {report['torch']}.", ""]
     if rows := report.get("published"):
         s = report["published_summary"]
+        lines += ["## Predicted against published measurements", ""]
         lines += [
-            "## Predicted against published measurements",
-            "",
-            f"{len(rows)} comparisons: median |error| {s['median_abs_error']:.0%}, largest {s['max_abs_error']:.0%}.",
-            "",
-            *md_table(
-                ["system", "GPUs", "batch per GPU", "measured samples/s", "predicted", "error", "predicted MFU"],
-                [
-                    [
-                        r["what"],
-                        r["gpus"],
-                        r["per_gpu_batch"],
-                        fmt(r["measured"], ",.0f"),
-                        fmt(r["predicted"], ",.0f"),
-                        fmt(r["error"], "+.0%"),
-                        fmt(r["mfu_predicted"], ".0%"),
-                    ]
-                    for r in rows
-                ],
-            ),
-            "",
+            f"{len(rows)} comparisons: median |error| {s['median_abs_error']:.0%}, largest {s['max_abs_error']:.0%}."
         ]
+        lines += ["", *table(PUBLISHED_COLUMNS, rows), ""]
     for name, title in (("fsdp", "FSDP against the batch per GPU"), ("tp", "FSDP x TP"), ("pipeline", "Schedules")):
         if rows := report.get("sweeps", {}).get(name):
-            extra = {"tp": ["TP degree"], "pipeline": ["schedule", "bubble"]}.get(name, [])
-            lines += [f"## {title}", ""]
-            lines += md_table(
-                [
-                    "GPUs",
-                    "batch per GPU",
-                    "step ms",
-                    "samples/s",
-                    "MFU",
-                    "communication ms",
-                    "exposed ms",
-                    "exposed",
-                    *extra,
-                ],
-                [
-                    [
-                        r["gpus"],
-                        r["per_gpu_batch"],
-                        fmt(r["step_s"], ".1f", 1e3),
-                        fmt(r["samples_per_s"], ",.0f"),
-                        fmt(r["mfu"], ".0%"),
-                        fmt(r["communication_s"], ".1f", 1e3),
-                        fmt(r["exposed_s"], ".1f", 1e3),
-                        fmt(r["exposed_share"], ".0%"),
-                        *([r["tp"]] if name == "tp" else []),
-                        *([r["schedule"], fmt(r["bubble"], ".0%")] if name == "pipeline" else []),
-                    ]
-                    for r in rows
-                ],
-            )
-            lines.append("")
+            lines += [f"## {title}", "", *table(SWEEP_COLUMNS + EXTRA.get(name, []), rows), ""]
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.at_scale", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m bench.at_scale", description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", choices=("published", "sweeps"), help="one half only")
     parser.add_argument("--model", default="vit:g14", help="model:size of the sweeps")
     parser.add_argument("--worlds", default="8,64,1024", help="GPU counts of the sweeps")
     parser.add_argument("--batches", default="4,16,64", help="per-GPU batches of the sweeps")
     parser.add_argument("--out", default="runs/at_scale")
-    args = parser.parse_args(argv)
+    args = parser.parse(argv)
+    worlds, batches = numbers("--worlds", args.worlds), numbers("--batches", args.batches)
     from common.versions import NEEDS_PLANNER
     from runner.entry import require_torch
 
@@ -191,7 +160,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["published_summary"] = published(report["published"])
     if args.only != "published":
         model, _, size = args.model.partition(":")
-        worlds, batches = ([int(n) for n in text.split(",")] for text in (args.worlds, args.batches))
         report["sweeps"] = sweeps(model, size, worlds, batches)
     (out / "at_scale.json").write_text(json.dumps(report, indent=1))
     (out / "at_scale.md").write_text(markdown(report))

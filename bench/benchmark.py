@@ -11,19 +11,60 @@ docs/performance.md says what each phase measures and what each number in bench.
 
 import argparse
 import json
+import math
 import re
 import shutil
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from bench.breakdown import trace_breakdown
-from bench.ceilings import machine_peaks, model_flops, pipeline_ceiling
-from bench.launches import LoadWatch, failure, launch, read_run_json, records, run_json_facts, timing_stats
-from bench.micro import measure_in_process
+from bench.launches import CORES, LoadWatch, failure, launch, read_run_json, records, run_json_facts, timing_stats
 from bench.plan import RunSpec, Settings, default_plan, quick_plan
 from bench.report import annotate, markdown, scaling_table
+
+
+def matmul_peak_gflops(dtype: str, threads: int, *, n: int, repeats: int) -> float:
+    """Best-of-`repeats` GFLOP/s of an n x n x n matmul in `dtype` on `threads` CPU threads (torch keeps them)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = (torch.randn(n, n).to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]) for _ in "ab")
+    for _ in range(2):
+        a @ b
+    best = math.inf
+    for _ in range(repeats):
+        started = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - started)
+    return 2 * n**3 / best / 1e9
+
+
+def machine_peaks(*, n: int, repeats: int) -> dict[str, dict[str, float]]:
+    """The matmul peak in fp32 and bf16 on 1 and all cores; `peak_gflops`: on all, what a run's % of peak is of."""
+    threads = lambda t: f"{t} thread{'s' if t > 1 else ''}"  # noqa: E731
+    dtypes = ("fp32", "bf16")
+    by_threads = {
+        f"{d} {threads(t)}": matmul_peak_gflops(d, t, n=n, repeats=repeats) for d in dtypes for t in {1, CORES}
+    }
+    return {
+        "peak_by_threads_gflops": by_threads,
+        "peak_gflops": {d: by_threads[f"{d} {threads(CORES)}"] for d in dtypes},
+    }
+
+
+def model_flops(size: str = "baby", dataset: str = "digits") -> dict[str, Any]:
+    """Training FLOPs per sample of the layers that have any: backward is twice forward (the gradients of the
+    input and of the weights) but for the first layer, whose input (the images) needs no gradient."""
+    from common.model_sizes import layers
+
+    counted = [layer for layer in layers(size, dataset) if layer.flops]
+    rows = [
+        {"layer": layer.name, "forward": layer.flops, "backward": layer.flops * (1 if i == 0 else 2)}
+        for i, layer in enumerate(counted)
+    ]
+    return {"train_flops_per_sample": sum(r["forward"] + r["backward"] for r in rows), "layers": rows}
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -41,9 +82,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     add("--test-size", type=int, default=256, help="test set of the short runs (evaluated once, after timing)")
     add("--no-full-runs", action="store_true", help="run bf16 DDP short too, not the whole default run")
     add("--no-bf16", action="store_true", help="skip the bf16 launches")
-    add("--all", action="store_true", help="+ FSDP/pipeline in bf16, every mode on the most processes, bf16 profile")
-    add("--micro-only", action="store_true", help="only the in-process measurements, no launches")
-    add("--no-micro", action="store_true", help="only the launches, no in-process measurements")
+    add("--all", action="store_true", help="+ FSDP/pipeline in bf16, every mode on the most processes")
     add("--quick", action="store_true", help="tiny settings: a smoke test of the benchmark itself")
     add("--wait-quiet", type=float, default=0, help="wait up to this many seconds for load < 1 first")
     add("--timeout-s", type=float, default=300, help="per launch")
@@ -51,9 +90,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args.repeats = args.repeats or (1 if args.quick else 3)
     if args.quick:  # a smoke test of the benchmark, not a measurement
         args.batch_size, args.warmup_steps, args.timed_steps = 32, 2, 3
-    # the matmul peak's size and tries, and the data set of the in-process steps (and of the quick launches)
-    args.peak_n, args.peak_repeats = (512, 3) if args.quick else (2048, 8)
-    args.train_size = 1024 if args.quick else 12800
+    args.peak_n, args.peak_repeats = (512, 3) if args.quick else (2048, 8)  # the matmul peak's size and tries
     return args
 
 
@@ -66,18 +103,6 @@ def plan_of(args: argparse.Namespace) -> list[RunSpec]:
     return [spec for spec in plan if wanted is None or spec.strategy in wanted]
 
 
-def step_breakdown(spec: RunSpec, row: dict[str, Any], out: Path, s: Settings) -> dict[str, Any]:
-    """The step breakdown of a run that profiled steps after its timed ones, from rank 0's trace."""
-    about = dict(run=spec.name, command=row["command"], precision=spec.precision, profiled_steps=spec.profiled(s))
-    about |= dict(batch_size=spec.global_batch(s) // spec.nproc, threads=row.get("threads_per_process"))  # per process
-    # the same run's timed steps, which ran without the profiler: what the profiler's own cost adds up to
-    about["timed_step_ms"] = 1e3 * row["step_time_s"]["median"] if row.get("step_time_s") else None
-    try:
-        return {**about, **trace_breakdown(out / "traces" / "rank0.json")}
-    except (OSError, KeyError, ValueError) as error:  # a measurement missing, not a benchmark stopped
-        return {**about, "error": f"{type(error).__name__}: {error}"}
-
-
 def run_one(spec: RunSpec, s: Settings, *, work: Path, timeout_s: float, attempt: int = 0) -> dict[str, Any]:
     """Launch `spec` once, into work/<its folder>, and return its row."""
     folder = f"{spec.name}_{spec.precision}_x{spec.nproc}" + (f"_launch{attempt}" if attempt else "")
@@ -86,9 +111,7 @@ def run_one(spec: RunSpec, s: Settings, *, work: Path, timeout_s: float, attempt
     row: dict[str, Any] = {**asdict(spec), "out": str(out)}
     cmd = spec.command(s, out)
     row["command"] = " ".join(cmd).replace(sys.executable, "python")
-    profiled = spec.profiled(s)
-    rss_until = profiled[0] - 1 if profiled else 0  # the evaluation before the profiled steps (RunSpec.flags)
-    row.update(launch(cmd, out=out, nproc=spec.nproc, timeout_s=timeout_s, rss_until_eval_at=rss_until))
+    row.update(launch(cmd, out=out, nproc=spec.nproc, timeout_s=timeout_s))
     if row["returncode"] != 0:
         return {**row, "ok": False, "error": failure(out, row["returncode"])}
     row["ok"] = True
@@ -99,8 +122,6 @@ def run_one(spec: RunSpec, s: Settings, *, work: Path, timeout_s: float, attempt
         row["launch_to_first_step_s"] = row["first_record_s"] - train[0]["step_time_s"]
     if info := read_run_json(out):
         row.update(run_json_facts(info))
-    if spec.profile_steps:
-        row["step_breakdown"] = step_breakdown(spec, row, out, s)
     return row
 
 
@@ -142,20 +163,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     say("ceilings: matmul peak, model FLOPs")
     report.update(machine_peaks(n=args.peak_n, repeats=args.peak_repeats))
     report["model"] = model_flops()
-    if not (args.quick or args.no_micro):  # the smoke test measures nothing in-process
-        report.update(measure_in_process(args.batch_size, args.train_size, everything=args.all, say=say))
-    rows = []
-    if not args.micro_only:
-        test_size, train_size = (64, args.train_size) if args.quick else (args.test_size, 0)  # 0: the scripts' default
-        settings = Settings(args.batch_size, args.warmup_steps, args.timed_steps, test_size, train_size)
-        rows = launch_all(plan_of(args), settings, work=out, repeats=args.repeats, timeout_s=args.timeout_s, say=say)
+    test_size, train_size = (64, 1024) if args.quick else (args.test_size, 0)  # 0: the scripts' default
+    settings = Settings(args.batch_size, args.warmup_steps, args.timed_steps, test_size, train_size)
+    rows = launch_all(plan_of(args), settings, work=out, repeats=args.repeats, timeout_s=args.timeout_s, say=say)
     annotate(rows, flops_per_sample=report["model"]["train_flops_per_sample"], peaks=report["peak_gflops"])
-    # each breakdown names its run (and command); it is kept once, here, not also in its row
-    report["step_breakdown"] = [row.pop("step_breakdown") for row in rows if "step_breakdown" in row]
     report |= {"runs": rows, "scaling": scaling_table(rows)}
-    stages, layers = sorted({r["pipeline"]["stages"] for r in rows if "pipeline" in r}), report["model"]["layers"]
-    peak = report["peak_by_threads_gflops"]["fp32 1 thread, CPU time"]
-    report["pipeline_ceiling"] = pipeline_ceiling(layers, stage_counts=stages, peak_one_thread_gflops=peak)
     report["machine"] = watch.summary(torch.__version__)
     (out / "bench.json").write_text(json.dumps(report, indent=1))
     (out / "bench.md").write_text(markdown(report))

@@ -1,5 +1,5 @@
 """The figures of bench.collectives (busbw against message size) and bench.scale (memory per rank and speed against
-the model's size). matplotlib only, no torch."""
+the parameters). matplotlib only, no torch."""
 
 from pathlib import Path
 from typing import Any, Sequence
@@ -37,24 +37,29 @@ def collectives(run: dict[str, Any], path: Path, *, ops: Sequence[str]) -> None:
     _save(fig, [ax], path)
 
 
-def scale(rows: list[dict[str, Any]], path: Path, *, nproc: int, budget_bytes: float | None) -> None:
+def scale(rows: list[dict[str, Any]], path: Path, *, nproc: int, budget: float | None) -> None:
     """Peaks per rank, planned (o--), measured (x) or refused (hollow), a colour per strategy; and the speed."""
     fig = Figure(figsize=(14, 5))
     ax_mem, ax_speed = fig.subplots(1, 2)
-    for i, variant in enumerate(dict.fromkeys(r["variant"] for r in rows)):
-        mine = [r for r in rows if r["variant"] == variant]
-        points = lambda value, rows: ([r["parameters"] for r in rows], [value(r) for r in rows])
-        planned = lambda r: r["planned"]["peak_bytes"] / 1e9
-        ax_mem.plot(*points(planned, mine), "o--", color=f"C{i}", label=variant)
-        measured = [r for r in mine if r.get("measured_peak_bytes")]
-        ax_mem.plot(*points(lambda r: r["measured_peak_bytes"] / 1e9, measured), "x", color=f"C{i}", markersize=10)
-        refused = [r for r in mine if r.get("fits") is False]
-        ax_mem.plot(*points(planned, refused), "o", color="white", markeredgecolor=f"C{i}", markersize=12)
-        if speed := [r for r in mine if r.get("samples_per_s")]:
-            ax_speed.plot(*points(lambda r: r["samples_per_s"], speed), "o-", color=f"C{i}", label=variant)
-    if budget_bytes:
-        label = "what each of the processes may have here"
-        ax_mem.axhline(budget_bytes / 1e9, color="black", linestyle=":", linewidth=1, label=label)
+    for i, strategy in enumerate(dict.fromkeys(r["strategy"] for r in rows)):
+        mine = [r for r in rows if r["strategy"] == strategy and "planned_peak_bytes" in r]
+        points = lambda key, rows: (
+            [r["parameters"] for r in rows],
+            [r[key] / (1e9 if "bytes" in key else 1) for r in rows],
+        )
+        ax_mem.plot(*points("planned_peak_bytes", mine), "o--", color=f"C{i}", label=strategy)
+        ax_mem.plot(
+            *points("measured_peak_bytes", [r for r in mine if "measured_peak_bytes" in r]),
+            "x",
+            color=f"C{i}",
+            markersize=10,
+        )
+        refused = [r for r in mine if "refused" in r]
+        ax_mem.plot(*points("planned_peak_bytes", refused), "o", color="white", markeredgecolor=f"C{i}", markersize=12)
+        if speed := [r for r in mine if "samples_per_s" in r]:
+            ax_speed.plot(*points("samples_per_s", speed), "o-", color=f"C{i}", label=strategy)
+    if budget:
+        ax_mem.axhline(budget / 1e9, color="black", linestyle=":", linewidth=1, label="what each process may have here")
     title = f"peak of a step per rank on {nproc} processes: planned (o--), measured (x), refused (hollow)"
     ax_mem.set(xscale="log", yscale="log", xlabel="parameters", ylabel="GB per rank", title=title)
     ax_speed.set(xscale="log", yscale="log", xlabel="parameters", ylabel="samples/s", title="training speed")

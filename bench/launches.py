@@ -2,6 +2,7 @@
 tests/soak.py: a real script or runner started as a user does, watched (first record, each rank's peak RSS, a
 timeout), then what it wrote (metrics.jsonl, run.json) and, if it failed, why. No torch here."""
 
+import argparse
 import json
 import math
 import os
@@ -12,12 +13,39 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, Sequence
+
+from common.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 POLL_S = 0.02
 RSS_EVERY = 10  # polls between two RSS samples: reading every process's parent costs a few ms
+
+
+class Parser(argparse.ArgumentParser):
+    """A benchmark's command line: a bad flag is a UserError, one line (no usage block), as everywhere in the suite."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{message} (see --help)")
+
+    def parse(self, argv: Sequence[str] | None) -> argparse.Namespace:
+        """parse_args; a bad flag: one line and exit 2."""
+        from runner.entry import fail
+
+        try:
+            return self.parse_args(argv)
+        except UserError as e:
+            fail(str(e))
+
+
+def numbers(flag: str, text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4]; anything else: one line and exit 2."""
+    from runner.entry import fail
+
+    if not all(n.isdigit() and int(n) > 0 for n in text.split(",")):
+        fail(f"{flag}: {text!r}; give positive whole numbers, comma-separated")
+    return [int(n) for n in text.split(",")]
 
 
 def torchrun(nproc: int) -> list[str]:
@@ -136,30 +164,20 @@ def read_run_json(out: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def launch(
-    cmd: list[str], *, out: Path, nproc: int, timeout_s: float, rss_until_eval_at: int = 0, env: dict | None = None
-) -> dict[str, Any]:
+def launch(cmd: list[str], *, out: Path, nproc: int, timeout_s: float, env: dict | None = None) -> dict[str, Any]:
     """Run `cmd` from the suite's root, noting when the first record appears in out/metrics.jsonl and each rank's
-    peak RSS: to the end, or up to the evaluation record of step `rss_until_eval_at` (a run that profiles steps
-    after it: the profiler's buffers are not the run's memory). Past `timeout_s` the whole launch is killed."""
+    peak RSS. Past `timeout_s` the whole launch is killed."""
     out.mkdir(parents=True, exist_ok=True)
-    metrics, peaks = out / "metrics.jsonl", {}
-    first_record_s, polls, watching_rss, size = None, 0, True, 0
+    metrics, peaks, first_record_s, polls = out / "metrics.jsonl", {}, None, 0
     with open(out / "console.log", "w") as console:
         started, stolen = time.perf_counter(), stolen_seconds()
         where = dict(cwd=ROOT, env=env or launch_env(nproc), stdout=console, stderr=subprocess.STDOUT)
         proc = subprocess.Popen(cmd, **where, start_new_session=True)  # a session of its own: killed as one
         while proc.poll() is None and time.perf_counter() - started < timeout_s:
-            grown = metrics.exists() and metrics.stat().st_size != size
-            if first_record_s is None and grown:
+            if first_record_s is None and metrics.exists() and metrics.stat().st_size:
                 first_record_s = time.perf_counter() - started
-            if watching_rss and polls % RSS_EVERY == 0:
+            if polls % RSS_EVERY == 0:
                 _sample_rss(proc.pid, nproc, peaks)
-            if watching_rss and rss_until_eval_at and grown:
-                size = metrics.stat().st_size  # read the records again only when there are new ones
-                if any(r["step"] == rss_until_eval_at for r in records(out, "eval")):
-                    _sample_rss(proc.pid, nproc, peaks)  # the last sample, within a poll of the record
-                    watching_rss = False
             polls += 1
             time.sleep(POLL_S)
         if proc.poll() is None:  # past timeout_s: torchrun (or bash) and its workers

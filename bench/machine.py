@@ -3,33 +3,23 @@
     python -m bench.machine                       # runs/machine/profile.json (~16 min on 2 cores)
     python -m planner --model-size small --profile runs/machine/profile.json
 
-- **Compute**, on the models' own operators: the planner counts one training step of each strategy for the models the
-  suite trains (planner/count.py records every operator with its shapes), and each distinct operator is run here on
-  real tensors (copies rotated over 64 MiB: out of the caches, as in a step) at every thread count the runners give a
-  process (cores / processes), timed in as many processes at once as such a run starts (they share memory bandwidth
-  and caches as the run's processes do), the thread counts in turn on each operator (side by side: the machine's speed
-  drifts between minutes). Per thread count a least-squares fit of `overhead + FLOPs / FLOP/s` (matmuls, convolutions,
-  attention: a rate each) and `overhead + bytes / bandwidth` (the rest) over those operators, each weighted by its
-  calls in the steps;
-- **First touch of new pages**: the runs' allocator maps every buffer of 32 MiB or more afresh
-  (common/distributed.py: keep_freed_memory), and the OS zero-fills its pages as they are first written; a fill of
-  64 MiB on new pages against one into a buffer kept, at each thread count. The operators are then timed on pages
-  already mapped (keep_every_page), and the planner adds the first touch of each large storage a step makes;
-- **Collectives**: `bench.collectives` (nccl-tests' definitions) at every group size the runners start, 1 KiB to
-  64 MiB, and what an all-reduce costs a step beyond that table after 1 to 24 ms of compute (`--after-compute`).
-- **Overhead**, of the real eager step: training steps of BabyCNN and of the ViT (two sizes each) at a batch of
-  2 timed (at lr 0: the same work, the gradients kept off subnormal floats), less their operators' times alone
-  (timed between two timings of the step: the machine's speed drifts), fit as a cost once a step plus one per call
-  that runs a kernel (Python, modules, autograd); steps of BabyCNN and the ViT under TP and FSDP (a unit per block)
-  on a world of one process, each against its own model's eager step, for what a DTensor call and an FSDP unit
-  cost beyond it. Each measuring process measures them at each thread count: the mean is kept.
-- **The peak** for MFU: the fp32 and bf16 matmul peak on all cores (bench/ceilings.py).
+- **Compute**: every distinct operator of the steps the planner counts for the suite's models (planner/count.py) run
+  on real tensors, copies rotated over 64 MiB (out of the caches, as in a step), at every thread count the runners
+  give a process, in as many processes at once as such a run starts (they share memory bandwidth and caches), the
+  thread counts in turn on each operator (side by side: the machine's speed drifts). Per thread count, a
+  non-negative least-squares fit of `overhead + FLOPs / FLOP/s` (a rate per class: matmul, convolution, attention)
+  and `overhead + bytes / bandwidth` (the rest), each operator weighted by its calls in the steps.
+- **First touch of new pages**: a 64 MiB fill on new pages against one into a buffer kept; the operators are then
+  timed on pages already mapped (keep_every_page), and the planner adds the first touch of each large storage.
+- **Overhead**: small eager steps of BabyCNN and the ViT less their operators' times alone, fit as a cost once a
+  step plus one per kernel call; under TP and FSDP on a world of one, what a DTensor call and an FSDP unit add.
+- **Collectives**: `bench.collectives --after-compute` at every group size the runners start, 1 KiB to 64 MiB.
+- **The peak** for MFU: the fp32 and bf16 matmul peak on all cores (bench/benchmark.py).
 """
 
 from __future__ import annotations
 
-import argparse
-import functools
+import itertools
 import json
 import math
 import queue
@@ -41,10 +31,10 @@ from datetime import date
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.launches import CORES, ROOT, cpu_name, launch_env, torchrun
+from bench.launches import CORES, ROOT, Parser, cpu_name, launch_env, numbers, torchrun
 
-# The steps whose operators are timed: the models, strategies and process counts bench.time_model runs (every
-# shape of operator those runs call: a rank's share of the batch, a pipeline's micro-batches, a TP rank's split)
+# The steps whose operators are timed: the models, strategies and process counts the time model is checked on with
+# (bench.scale: every shape of operator those runs call, a rank's share of the batch, a pipeline's micro-batches...)
 MODELS = ({}, {"model_size": "small"}, {"model": "vit"})
 STRATEGIES = {"ddp": {}, "fsdp": {"shard_units": "blocks"}, "tp": {}, "pippy": {"n_microbatches": 4}}
 WORLDS = (1, 2, 4)
@@ -68,19 +58,15 @@ def counted_ops(quick: bool = False) -> dict[str, Any]:
     from runner.layout import would_start
 
     found: dict[str, Any] = {}
-    for flags in MODELS[:1] if quick else MODELS:
-        for strategy, own in STRATEGIES.items():
-            for world in (1, 2) if quick else WORLDS:
-                cfg = replace(Config(strategy=strategy, **flags, **own), train_size=4096)
-                if not would_start(cfg, world):
-                    continue
-                for rank in ranks_to_measure(cfg, world):
-                    for op in plan_rank(cfg, world, rank, count=True).count.ops.values():
-                        key = operator_key(op)
-                        if key in found:
-                            found[key].calls += op.calls
-                        else:
-                            found[key] = op
+    runs = itertools.product(MODELS[:1] if quick else MODELS, STRATEGIES.items(), (1, 2) if quick else WORLDS)
+    for flags, (strategy, own), world in runs:
+        cfg = replace(Config(strategy=strategy, **flags, **own), train_size=4096)
+        for rank in ranks_to_measure(cfg, world) if would_start(cfg, world) else ():
+            for op in plan_rank(cfg, world, rank, count=True).count.ops.values():
+                if (key := operator_key(op)) in found:
+                    found[key].calls += op.calls
+                else:
+                    found[key] = op
     return found
 
 
@@ -115,9 +101,7 @@ def time_op(op: Any) -> float | None:
         times, started = [], time.perf_counter()
         while len(times) < max(MIN_REPEATS, len(inputs)) or time.perf_counter() - started < MIN_TIMED_S:
             args, kwargs = inputs[len(times) % len(inputs)]
-            begin = time.perf_counter()
-            func(*args, **kwargs)
-            times.append(time.perf_counter() - begin)
+            times.append(_timed(func, *args, **kwargs))
     except Exception:  # noqa: BLE001  (an operator that needs its step's state: left out, counted below)
         return None
     return statistics.median(times)
@@ -137,9 +121,7 @@ def fresh_bytes_per_s(nbytes: int = 64 << 20) -> float:
     kept = torch.empty(nbytes // 4)
 
     def fill(buffer: Any = None) -> float:  # a new buffer's seconds, or `buffer`'s
-        started = time.perf_counter()
-        (torch.empty(nbytes // 4) if buffer is None else buffer).fill_(1.0)
-        return time.perf_counter() - started
+        return _timed(lambda: (torch.empty(nbytes // 4) if buffer is None else buffer).fill_(1.0))
 
     fresh, reused = zip(*[(fill(), fill(kept)) for _ in range(MIN_REPEATS * 2)])  # (side by side: the speed drifts)
     return nbytes / max(statistics.median(fresh) - statistics.median(reused), 1e-9)
@@ -160,8 +142,6 @@ def keep_every_page() -> bool:
 def _nonnegative_least_squares(a: Any, b: Any) -> Any:
     """argmin |a x - b| over x >= 0, for the few columns here: the best of the unconstrained fits on every subset of
     columns whose solution is non-negative (the others held at 0)."""
-    import itertools
-
     import numpy as np
 
     scale = np.maximum(np.abs(a).max(axis=0), 1e-300)
@@ -212,37 +192,18 @@ def fit(rows: list[tuple[str, int, int, float, int]]) -> dict[str, Any]:
     }
 
 
-def _eager_step(cfg: Any, model: Any, optimizer: Any, batch: int = 2) -> None:
-    """One training step as the scripts run it, on `batch` samples, in this process."""
-    import torch.nn.functional as F
-
-    from planner.measure import _batch
-
-    optimizer.zero_grad(set_to_none=True)
-    images, labels = _batch(cfg, batch)
-    F.cross_entropy(model(images), labels).backward()
-    optimizer.step()
-
-
-def _eager_steps(batch: int = 2) -> list[tuple[Any, Any]]:
-    """(a step function, its count) for BabyCNN and the ViT (two sizes each: EAGER) at `batch` samples, as the
-    scripts train them, in this process: at the fit's 2, where the work is small, what an eager step costs besides
-    its operators shows."""
+def _eager_steps() -> list[tuple[Any, Any]]:
+    """(a step function, its count) of each model of EAGER, as the scripts train it, in this process."""
     from common.config import Config
     from planner.measure import _model
 
-    steps = []
-    for flags in EAGER:
-        cfg = Config(**flags)
-        steps.append(_counted_step(cfg, _model(cfg), batch))
-    return steps
+    return [_counted_step(Config(**flags), _model(Config(**flags))) for flags in EAGER]
 
 
-def _wrapped_steps(batch: int = 2) -> list[tuple[int, Any, Any]]:
-    """(its model's index in EAGER, a step function, its count) of BabyCNN and the ViT at `batch` samples under TP and
-    FSDP (a unit per block) on a world of one process, as train_tp.py and train_fsdp.py wrap them: what DTensor's
-    calls and FSDP's units cost besides their operators. A gloo group of this process alone (forked measuring
-    processes: one each)."""
+def _wrapped_steps() -> list[tuple[int, Any, Any]]:
+    """(its model's index in EAGER, a step function, its count) of each model of WRAPPED under TP and FSDP (a unit per
+    block) on a world of one process, as train_tp.py and train_fsdp.py wrap them: what DTensor's calls and FSDP's
+    units cost besides their operators. A gloo group of this process alone (forked measuring processes: one each)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -262,20 +223,29 @@ def _wrapped_steps(batch: int = 2) -> list[tuple[int, Any, Any]]:
             apply_tp(plain, tp, plain.tp_plan(False)),
             apply_fsdp((fsdp := _model(cfg)), fsdp_mesh("cpu", 1), units=fsdp.blocks()),
         ):
-            steps.append((EAGER.index(flags), *_counted_step(cfg, model, batch)))
+            steps.append((EAGER.index(flags), *_counted_step(cfg, model)))
     return steps
 
 
-def _counted_step(cfg: Any, model: Any, batch: int = 2) -> tuple[Any, Any]:
-    """(the step function of `model` as the scripts train it, its count): three steps first, so the count sees a
-    warm step (the optimizer's state made, the caches filled)."""
+def _counted_step(cfg: Any, model: Any) -> tuple[Any, Any]:
+    """(a training step of `model` as the scripts run it, on 2 samples: where the work is small, what a step costs
+    besides its operators shows; and its count): three steps first, so the count sees a warm step."""
+    import torch.nn.functional as F
+
     from common.training import build_optimizer
     from planner.count import StepCounter
+    from planner.measure import _batch
 
     optimizer = build_optimizer(model.parameters(), cfg)
     for group in optimizer.param_groups:  # the same work at lr 0, the weights kept where they start: trained over
         group["lr"] = 0.0  # and over on 2 samples, the gradients fall to subnormal floats (x75 a convolution on Intel)
-    step = functools.partial(_eager_step, cfg, model, optimizer, batch)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        images, labels = _batch(cfg, 2)
+        F.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+
     for _ in range(3):
         step()
     with StepCounter(model) as counter:
@@ -284,28 +254,24 @@ def _counted_step(cfg: Any, model: Any, batch: int = 2) -> tuple[Any, Any]:
 
 
 def _step_seconds(step: Any, repeats: int = 20) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return statistics.median(_timed(step) for _ in range(repeats))
 
 
-def step_and_operators(step: Any, ops: Any) -> tuple[float, float]:
-    """(the step's seconds, its operators' seconds timed alone): the step timed before and after its operators (the
-    three close together: the machine's speed drifts)."""
-    before = _step_seconds(step)
-    alone = sum(op.calls * (time_op(op) or 0.0) for op in ops.values())
-    return (before + _step_seconds(step)) / 2, alone
+def _timed(call: Any, *args: Any, **kwargs: Any) -> float:
+    started = time.perf_counter()
+    call(*args, **kwargs)
+    return time.perf_counter() - started
 
 
 def beyond_operators(step: Any, ops: Any) -> tuple[float, int]:
-    """(seconds, kernel calls): what a step spends beyond its operators' own time (`step_and_operators`), and the
-    calls the per-call cost is charged to (planner/timing.py: pays_call_cost)."""
+    """(seconds, kernel calls): what a step spends beyond its operators' own time, timed alone between two timings
+    of the step (the machine's speed drifts), and the calls the per-call cost is charged to (planner/timing.py:
+    pays_call_cost)."""
     from planner.timing import pays_call_cost
 
-    measured, alone = step_and_operators(step, ops)
+    before = _step_seconds(step)
+    alone = sum(op.calls * (time_op(op) or 0.0) for op in ops.values())
+    measured = (before + _step_seconds(step)) / 2
     return measured - alone, sum(op.calls for op in ops.values() if pays_call_cost(op))
 
 
@@ -361,43 +327,36 @@ def _measure(threads: Sequence[int], quick: bool, together: Any, results: Any, i
         for op in counted.values():
             ops.setdefault(operator_key(op), op)
     active = [t for t in threads if index < processes_at(t)]
-    rows: dict[int, list[Any]] = {t: [] for t in active}
-    tables: dict[int, dict[str, float]] = {t: {} for t in active}
-    skipped: set[str] = set()
-    fresh: dict[int, float] = {}
-    together.wait()
-    for t in threads:
-        if t in active:
-            torch.set_num_threads(t)
-            fresh[t] = fresh_bytes_per_s()
-        together.wait()
-    keep_every_page()
-    for key in sorted(ops):  # (every process the same order: they meet at each operator)
-        op = ops[key]
+
+    def at_each(measure: Any, *args: Any) -> dict[int, Any]:  # {t: measure(*args)} on t threads, in step
+        found = {}
         for t in threads:
             if t in active:
                 torch.set_num_threads(t)
-                seconds = time_op(op)
-                if seconds is None:
-                    skipped.add(op.name)
-                else:
-                    rows[t].append((op_class(op.name), op.flops, op.bytes, seconds, op.calls))
-                    tables[t][key] = seconds
+                found[t] = measure(*args)
             together.wait()
+        return found
+
+    together.wait()
+    fresh = at_each(fresh_bytes_per_s)
+    keep_every_page()
+    seconds = {key: at_each(time_op, ops[key]) for key in sorted(ops)}  # (every process in the same order)
+    skipped = sorted({ops[key].name for key, at in seconds.items() if None in at.values()})
     found = {}
-    for t in threads:
-        if t in active:
-            torch.set_num_threads(t)
-            found[t] = fit(rows[t])
-            found[t]["operators"] = tables[t]
-            found[t]["fresh_bytes_per_s"] = fresh[t]
-            found[t]["alone_overhead_s"] = found[t]["op_overhead_s"]  # (what the rates add for an operator not timed)
-            overheads = [beyond_operators(step, count.ops) for step, count in eager]
-            found[t].update(split_overhead(overheads))  # what training steps pay beyond their operators
-            timed = [(*beyond_operators(step, count.ops), count, overheads[own]) for own, step, count in wrapped]
-            found[t].update(wrapped_overheads(timed, found[t]["op_overhead_s"]))
-            found[t]["fit"]["not_timed"] = sorted(skipped)
-        together.wait()
+    for t in active:
+        timed = {key: at[t] for key, at in seconds.items() if at[t] is not None}
+        found[t] = fit([(op_class(ops[k].name), ops[k].flops, ops[k].bytes, timed[k], ops[k].calls) for k in timed])
+        found[t] |= {"operators": timed, "fresh_bytes_per_s": fresh[t], "alone_overhead_s": found[t]["op_overhead_s"]}
+        found[t]["fit"]["not_timed"] = skipped  # (alone_overhead_s: what the rates add for an operator not timed)
+
+    def overheads() -> dict[str, float]:  # what training steps pay beyond their operators
+        plain = [beyond_operators(step, count.ops) for step, count in eager]
+        costs = split_overhead(plain)
+        timed = [(*beyond_operators(step, count.ops), count, plain[own]) for own, step, count in wrapped]
+        return costs | wrapped_overheads(timed, costs["op_overhead_s"])
+
+    for t, costs in at_each(overheads).items():
+        found[t].update(costs)
     results.put((index, found))
 
 
@@ -425,19 +384,18 @@ def measure_compute(threads: Sequence[int], *, quick: bool = False) -> dict[int,
     for worker in workers:
         worker.join()
     found = {t: fits[0][t] for t in threads}  # (the others ran alongside it)
-    for t, fit_t in found.items():
-        for cost in PER_CALL:  # each process that timed at t measured them: their mean
-            fit_t[cost] = statistics.fmean(fits[i][t][cost] for i in fits if t in fits[i])
-        summary = {k: v for k, v in fit_t.items() if k not in ("operators", "fit")}
-        print(f"compute on {t} thread(s) a process: {summary}", file=sys.stderr, flush=True)
     for cost in PER_CALL:
         # the interpreter's costs, the same at any thread count: one measurement moves by 2x on a busy VM, so every
-        # process's at every thread count, averaged (what each measured stays in "fit")
-        for fit_t in found.values():
+        # process's at every thread count, averaged (the mean at each thread count stays in "fit")
+        for t, fit_t in found.items():
+            fit_t[cost] = statistics.fmean(fits[i][t][cost] for i in fits if t in fits[i])
             fit_t["fit"][f"measured_{cost}"] = fit_t[cost]
         mean = statistics.fmean(fit_t[cost] for fit_t in found.values())
         for fit_t in found.values():
             fit_t[cost] = mean
+    for t, fit_t in found.items():
+        summary = {k: v for k, v in fit_t.items() if k not in ("operators", "fit")}
+        print(f"compute on {t} thread(s) a process: {summary}", file=sys.stderr, flush=True)
     return found
 
 
@@ -456,24 +414,23 @@ def measure_collectives(group_sizes: Sequence[int], out: Path, *, quick: bool) -
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.machine", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m bench.machine", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/machine", help="folder for profile.json")
     parser.add_argument("--procs", default="1,2,4", help="the process counts the runs will use (threads, groups)")
     parser.add_argument("--quick", action="store_true", help="BabyCNN's operators, collectives to 1 MiB: a smoke test")
-    args = parser.parse_args(argv)
+    args = parser.parse(argv)
+    procs = sorted(set(numbers("--procs", args.procs)))
     import torch
 
-    from bench.ceilings import matmul_peak_gflops
+    from bench.benchmark import matmul_peak_gflops
 
-    procs = sorted({int(n) for n in args.procs.split(",")})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     threads = sorted({max(1, CORES // n) for n in procs})
     compute = measure_compute(threads, quick=args.quick)
     side = 1024 if args.quick else 2048
     peak = {  # all cores' dense matmul peak by dtype: what MFU is against
-        dtype: 1e9 * matmul_peak_gflops(dtype, CORES, n=side, repeats=3, clock=time.perf_counter)
-        for dtype in ("fp32", "bf16")
+        dtype: 1e9 * matmul_peak_gflops(dtype, CORES, n=side, repeats=3) for dtype in ("fp32", "bf16")
     }
     collectives = measure_collectives([n for n in procs if n > 1], out, quick=args.quick)
     profile = {
@@ -490,7 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "collectives": "python -m bench.collectives at each group size, 1 KiB to 64 MiB",
             "collective_after_compute_s": "python -m bench.collectives --after-compute: 512 KiB after 1 to 24 ms of "
             "compute, [compute s, extra s]",
-            "peak_flops": "a 2048^3 matmul on all cores, fp32 and bf16 (bench/ceilings.py)",
+            "peak_flops": "a 2048^3 matmul on all cores, fp32 and bf16 (bench/benchmark.py)",
             "overlap": "gloo reduces on the cores that compute: nothing hides (docs/scale.md, Time)",
         },
         "measured": {

@@ -10,8 +10,6 @@ from bench.launches import CORES, torchrun
 from common.config import SCHEDULES, SHARDINGS
 from common.pipeline_layout import SINGLE_STAGE_SCHEDULES
 
-PROFILED_STEPS = 11  # profiled after the timed steps, for the step breakdown; the first is left out
-
 
 @dataclass(frozen=True)
 class Settings:  # what every launch of one benchmark shares
@@ -34,15 +32,9 @@ class RunSpec:
     scaling: bool = False  # a run the acceptance compares: launched --repeats times, in rounds
     batch_size: int = 0  # this run's global batch; 0: the benchmark's
     threads: int = 0  # --threads; 0: the scripts' default (cores / local processes)
-    profile_steps: int = 0  # steps profiled after the timed ones, for the step breakdown (a short suite run)
 
     def global_batch(self, s: Settings) -> int:
         return self.batch_size or s.batch_size
-
-    def profiled(self, s: Settings) -> tuple[int, int] | None:
-        """The steps --profile-steps profiles: the `profile_steps` after the timed ones, which they leave alone."""
-        last_timed = s.warmup + s.timed
-        return (last_timed + 1, last_timed + self.profile_steps) if self.profile_steps else None
 
     def flags(self, s: Settings) -> list[str]:
         """Every flag of the launch but --out."""
@@ -53,13 +45,10 @@ class RunSpec:
             return [*own, *batch]
         # the default data set (train_size 0): its size changes the allocator's history, and so the step time
         data = ["--train-size", str(s.train_size)] if s.train_size else []
-        steps = ["--max-steps", str(s.warmup + s.timed + self.profile_steps)]
+        steps = ["--max-steps", str(s.warmup + s.timed)]
         if self.strategy == "baseline":
             return [*own, *steps, *batch, *data]
-        first, last = self.profiled(s) or (0, 0)
-        # an evaluation right before the profiled steps: the launch reads the peak RSS up to it (bench/launches.py)
-        profile = ["--profile-steps", f"{first}:{last}", "--eval-every", str(first - 1)] if first else []
-        return [*own, *steps, *batch, "--log-every", "100000", "--test-size", str(s.test_size), *data, *profile]
+        return [*own, *steps, *batch, "--log-every", "100000", "--test-size", str(s.test_size), *data]
 
     def command(self, s: Settings, out: Path) -> list[str]:
         args = [*self.flags(s), "--out", str(out)]
@@ -82,9 +71,9 @@ def schedule_flags(schedule: str, *, pipeline_ranks: int) -> list[str]:
 
 
 def quick_plan() -> list[RunSpec]:
-    """The smoke test's launches; the 1-process DDP run also gives the step breakdown."""
+    """The smoke test's launches."""
     return [
-        RunSpec("ddp", "ddp", 1, launcher="python", profile_steps=3),
+        RunSpec("ddp", "ddp", 1, launcher="python"),
         RunSpec("baseline", "baseline", 2),
         RunSpec("ddp", "ddp", 2),
     ]
@@ -97,7 +86,7 @@ def _scaling_runs(p: int, *, largest: int, bf16: bool) -> list[RunSpec]:
     ddp_launcher = "run_ddp.sh" if p == largest and p > 1 else launcher
     runs = [
         RunSpec("baseline", "baseline", p, launcher=launcher),
-        RunSpec("ddp", "ddp", p, launcher=ddp_launcher, profile_steps=PROFILED_STEPS if p == 1 else 0),
+        RunSpec("ddp", "ddp", p, launcher=ddp_launcher),
     ]
     if bf16 and p == 1:  # right after its fp32 twin: the bf16 speed-up is a ratio of neighbours
         runs.append(RunSpec("ddp", "ddp", 1, precision="bf16", launcher="python"))
@@ -125,7 +114,7 @@ def default_plan(
     n, m = max(procs), modes_procs
     plan = [spec for p in procs for spec in _scaling_runs(p, largest=n, bf16=bf16)]
     if n > 1:  # what one rank of the largest DDP run does, alone: its share of the batch, on its threads there
-        share = dict(batch_size=batch_size // n, threads=max(1, CORES // n), profile_steps=PROFILED_STEPS)
+        share = dict(batch_size=batch_size // n, threads=max(1, CORES // n))
         plan.append(RunSpec(f"ddp, one rank's share of {n} processes", "ddp", 1, launcher="python", **share))
     for sharding in SHARDINGS[1:]:
         if sharding != "hybrid" or m % 2 == 0:

@@ -3,12 +3,8 @@ and bench.md, one function per part ([] when the report lacks it); docs/performa
 
 from typing import Any, Iterable, Sequence
 
-from bench.breakdown import SHARES
-
 RUN_COLUMNS = ["run", "precision", "procs", "samples/s", "× baseline", "step ms: median (p10–p90)"]
 RUN_COLUMNS += ["launch → 1st step s", "tensors/rank MiB", "peak RSS/rank MiB", "GFLOP/s", "% of peak", "test acc"]
-FAST_COLUMNS = ["variant", "samples/s", "× fp32", "GFLOP/s", "% of its dtype's peak", "page faults/step"]
-CEILING_COLUMNS = ["run", "procs", "heaviest stage", "MFLOP per sample", "ceiling samples/s", "measured", "baseline"]
 
 
 def md_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
@@ -77,7 +73,7 @@ def scaling_table(rows: list[dict]) -> dict[str, dict[str, float]]:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    parts = [_header, _runs, _ratios, _ceiling, _breakdown, _in_process]
+    parts = [_header, _runs, _ratios]
     return "\n".join(line for part in parts for line in part(report)) + "\n"
 
 
@@ -139,63 +135,3 @@ def _ratios(report: dict[str, Any]) -> list[str]:
     base = [r for r in report["runs"] if r["strategy"] == "baseline" and r.get("data_share") is not None]
     waits = ", ".join(f"{r['nproc']} proc {100 * r['data_share']:.0f}%" for r in base)
     return lines + (_section(f"The baseline's DataLoader wait, share of its step time: {waits}.") if base else [])
-
-
-def _ceiling(report: dict[str, Any]) -> list[str]:
-    """The 1F1B pipeline rows against what one thread per rank allows them (pipeline_ceiling)."""
-    ceiling, baseline, rows = report.get("pipeline_ceiling") or {}, _baselines(report["runs"]), []
-    for r in report["runs"]:
-        layout = r.get("pipeline", {})  # as the run's run.json reports it
-        c = ceiling.get(str(layout.get("stages")))
-        if c and r.get("ok") and layout["schedule"] == "1f1b" and r["precision"] == "fp32" and r.get("samples_per_s"):
-            bound = c["samples_per_s"] * min(layout["replicas"], report["machine"]["cores"])
-            cells = [r["name"], r["nproc"], ", ".join(c["heaviest_stage"]), f"{c['train_flops_per_sample'] / 1e6:.1f}"]
-            base = baseline.get(r["nproc"], {}).get("samples_per_s")
-            rows.append([*cells, f"{bound:.0f}", f"{r['samples_per_s']:.0f}", fmt(base, ".0f")])
-    peak = report["peak_by_threads_gflops"]["fp32 1 thread, CPU time"]
-    intro = "The pipeline's ceiling with one thread per rank: the heaviest stage's conv and linear FLOPs at the "
-    intro += f"1-thread fp32 matmul peak ({peak:.0f} GFLOP/s, CPU time), × the replicas, each on a core of its own:"
-    return _section(intro, md_table(CEILING_COLUMNS, rows)) if rows else []
-
-
-def _breakdown(report: dict[str, Any]) -> list[str]:
-    breakdowns, rows = report.get("step_breakdown") or [], []
-    if not breakdowns:
-        return []
-    for b in breakdowns:
-        if "error" in b:
-            rows.append([b["batch_size"], b["threads"], f"failed: {b['error'][:120]}", *[""] * len(SHARES)])
-        else:
-            shares = (f"{100 * b['share'][part]:.1f}% ({b['median_ms'][part]:.2f})" for part in SHARES)
-            rows.append([b["batch_size"], b["threads"], f"{b['median_ms']['step']:.1f}", *shares])
-    unprofiled = " and ".join(fmt(b.get("timed_step_ms"), ".1f") for b in breakdowns)
-    return _section(
-        "Where a step goes (profiler spans of a real `train_ddp.py` run): each part's share of the step time, "
-        "and its median ms:",
-        md_table(["per-process batch", "threads", "step ms", *SHARES], rows),
-        "Steps profiled after the timed ones, the first left out (the profiler's start-up); the same timed steps, "
-        f"unprofiled: {unprofiled} ms (median). What each part is: docs/performance.md; each run's command and "
-        "trace: bench.json `step_breakdown`.",
-    )
-
-
-def _in_process(report: dict[str, Any]) -> list[str]:
-    """The fast paths and the profile of the single-process step (bench/micro.py)."""
-    lines, peaks, flops = [], report["peak_by_threads_gflops"], report["model"]["train_flops_per_sample"]
-    for fast in report.get("fast_paths", []):
-        one, rows = fast["threads"] == 1, []
-        for name, v in fast["variants"].items():
-            dtype = "bf16" if "bf16" in name else "fp32"
-            peak = peaks[f"{dtype} 1 thread, CPU time"] if one else report["peak_gflops"][dtype]
-            gflops = v["samples_per_s"] * flops / 1e9
-            rows.append([name, f"{v['samples_per_s']:.0f}", f"{v['vs_first']:.2f}", f"{gflops:.1f}"])
-            rows[-1] += [f"{100 * gflops / peak:.1f}%", f"{v.get('page_faults_per_step', 0):.0f}"]
-        setting = f"batch {fast['batch_size']}, {fast['threads']} thread{'' if one else 's'}, {fast['clock']}"
-        intro = f"Fast paths on one process's step ({setting}, interleaved rounds):"
-        lines += _section(intro, md_table(FAST_COLUMNS, rows))
-    for prof in (report[key] for key in ("profile", "profile_bf16") if report.get(key)):
-        rows = ([group, f"{g['ms_per_step']:.1f}", f"{100 * g['share']:.1f}%"] for group, g in prof["groups"].items())
-        setting = f"batch {prof['batch_size']}, {prof['threads']} threads; torch.profiler self CPU time"
-        intro = f"Profile of the {prof['variant']} step ({setting}, {prof['self_cpu_ms_per_step']:.1f} ms per step):"
-        lines += _section(intro, md_table(["op group", "ms/step", "share"], rows))
-    return lines

@@ -1,139 +1,215 @@
-"""What scale costs, measured: every BabyCNN size that fits, trained by DDP, FSDP (full and grad-op, a unit per layer),
-the pipeline (1F1B), TP and FSDP x TP (2 x 2) on 4 processes, against what the planner says.
+"""Planned against measured: each strategy launched as a user does, beside what the planner says of it: each rank's
+memory (the step's peak and the state it holds, against --measure-peak and run.json), the bytes it sends per step
+(planner/predict.py) and, with --profile, its speed (planner/timing.py) against samples/s measured.
 
-    python -m bench.scale                          # baby .. large, a few minutes each for large: runs/scale/
-    python -m bench.scale --sizes baby,small --steps 6
+    python -m bench.scale                            # BabyCNN baby .. large, six strategies on 4 processes
+    python -m bench.scale --models vit:baby,vit:small,cnn:baby --procs 2,4 --steps 30 \\
+        --strategies ddp,fsdp,tp,tp-sp,fsdp-x-tp,fsdp-x-tp-sp    # what TP costs and buys
+    python -m bench.scale --profile runs/machine/profile.json --models cnn:baby,cnn:small,vit:baby \\
+        --strategies ddp,fsdp,pipeline,tp --procs 1,2,4 --steps 20 --rounds 3    # the time model on this machine
 
-A run the memory wall refuses is not launched. Writes scale.json, scale.md (the table) and scale.png, which
-docs/scale.md reads.
+A run the scripts would not start, or the memory wall refuses, is not launched. Every run is launched once a round
+(a slow spell hits all alike); its samples/s is its median step's after the first 3, the median over the rounds.
+Writes scale.json, scale.md and scale.png (memory and speed against the parameters) in --out (runs/scale).
 """
 
-import argparse
+from __future__ import annotations
+
 import json
 import shutil
+import statistics
 import sys
+from datetime import date
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from bench import figures
-from bench.launches import failure, launch, read_run_json, records, run_json_facts
+from bench.launches import CORES, Parser, cpu_name, failure, launch, numbers, read_run_json, records, timing_stats
 from bench.report import fmt, md_table
-from common.cli import parse_config
-from common.config import Config
-from common.errors import ConfigError
-from common.model_sizes import layers, parameter_count, tp_layer_params, tp_pairs
-from common.pipeline_layout import PipelineLayout
-from common.versions import NEEDS_PLANNER
-from runner.entry import require_torch
-from runner.memory import MIB_PER_CPU_PROCESS, available_mib, check_memory
+from runner.entry import fail
 
-VARIANTS = {  # name -> (runner, flags)
+STRATEGIES = {  # name -> (runner, flags); "sp": --sequence-parallel, the ViT's only; "x": FSDP x TP, 2 x 2
     "ddp": ("ddp", []),
-    "fsdp full": ("fsdp", ["--sharding", "full", "--shard-units", "blocks"]),
-    "fsdp grad-op": ("fsdp", ["--sharding", "grad-op", "--shard-units", "blocks"]),
-    "pipeline 1f1b": ("pippy", ["--schedule", "1f1b"]),
+    "fsdp": ("fsdp", ["--shard-units", "blocks"]),
+    "fsdp-grad-op": ("fsdp", ["--sharding", "grad-op", "--shard-units", "blocks"]),
+    "pipeline": ("pippy", []),  # 1F1B, 4 micro-batches
     "tp": ("tp", []),
-    "fsdp x tp": ("tp", ["--dp", "2"]),
+    "tp-sp": ("tp", ["--sequence-parallel"]),
+    "fsdp-x-tp": ("tp", ["--dp", "2"]),
+    "fsdp-x-tp-sp": ("tp", ["--dp", "2", "--sequence-parallel"]),
 }
-NPROC = 4
-TIMEOUT_S = 3600  # per launch: `large` trains at a few samples per second
+WARMUP, TIMEOUT_S = 3, 3600  # steps not timed; per launch (`large` trains at a few samples per second)
 
 
-def bytes_sent(cfg: Config, nproc: int) -> float:
-    """What each rank sends per step (the busiest rank of a pipeline), by the textbook's ring."""
-    model = layers(cfg.model_size, cfg.dataset)
-    params = 4 * sum(layer.params for layer in model)
-    ring = (nproc - 1) / nproc
-    if cfg.strategy == "ddp":
-        return 2 * ring * params  # the gradients' all-reduce
-    if cfg.strategy == "fsdp":  # all-gather in forward (and in backward, after a full reshard), reduce-scatter
-        return (2 if cfg.sharding == "grad-op" else 3) * ring * params
-    if cfg.strategy == "tp":  # per layer pair, an all-reduce of its output in forward, of its input's gradient back
-        tp, by_name = nproc // cfg.dp, {layer.name: layer for layer in model}
-        inputs = lambda layer: (layer.params - layer.outputs) // layer.outputs  # a linear's in_features
-        per_sample = sum(by_name[row].outputs + inputs(by_name[col]) for col, row in tp_pairs(cfg.model_size))
-        activations = 2 * (tp - 1) / tp * 4 * (cfg.batch_size // cfg.dp) * per_sample  # the replica's batch
-        held = 4 * sum(tp_layer_params(cfg.model_size, tp, cfg.dataset).values())  # FSDP x TP: over the replicas
-        return activations + 3 * (cfg.dp - 1) / cfg.dp * held
-    layout = PipelineLayout.of(cfg, nproc)
-    names = [layer.name for layer in model]
-    bounds = [names.index(start) for start in layout.stage_starts[1:]]  # where each stage's output crosses over
-    crossing = [4 * model[b - 1].outputs for b in bounds]  # fp32 activation of one sample at each boundary
-    return 2 * cfg.chunk_size(nproc) * max(crossing, default=0)  # forward, and its gradient back
+def flags_for(model: str, size: str, strategy: str, steps: int) -> list[str]:
+    common = ["--model", model, "--model-size", size, "--max-steps", str(steps), "--measure-peak", "--dropout", "0"]
+    return [*common, "--train-size", "4096", "--test-size", "128", "--log-every", "1000", *STRATEGIES[strategy][1]]
 
 
-def run_one(size: str, variant: str, *, out: Path, steps: int) -> dict[str, Any]:
-    from planner.measure import plan_rank  # imports torch: not for --help
+def plan_one(model: str, size: str, strategy: str, nproc: int, *, steps: int, profile: Any) -> dict[str, Any]:
+    """A run's row with what the planner says of it, or why it is not launched ("skipped", "refused")."""
+    from common.cli import parse_config
+    from common.errors import ConfigError
+    from common.model_sizes import parameter_count
+    from planner.measure import plan_rank
     from planner.plan import ranks_to_measure
+    from planner.predict import total_bytes, traffic
+    from planner.timing import predict
+    from runner.layout import check_layout
+    from runner.memory import check_memory
 
-    runner, flags = VARIANTS[variant]
-    args = ["--model-size", size, *flags, "--max-steps", str(steps), "--measure-peak", "--log-every", "1"]
-    args += ["--train-size", "1024", "--test-size", "128", "--dropout", "0"]
-    cfg = parse_config(runner, args, world_size=NPROC)  # as the runner's processes will read the flags
-    ranks = [plan_rank(cfg, NPROC, rank) for rank in ranks_to_measure(cfg, NPROC)]
-    # planned: the rank that holds the most of each, as the measured columns take it
-    planned = {key: max(getattr(r, key) for r in ranks) for key in ("peak_bytes", "state_bytes", "in_flight_bytes")}
-    row: dict[str, Any] = {"size": size, "variant": variant, "parameters": parameter_count(size)}
-    row |= {"bytes_sent_per_step": bytes_sent(cfg, NPROC), "planned": planned}
+    runner, flags = STRATEGIES[strategy][0], flags_for(model, size, strategy, steps)
+    row: dict[str, Any] = {"model": f"{model} {size}", "strategy": strategy, "nproc": nproc}
+    if (model == "cnn" and strategy.endswith("-sp")) or ("-x-" in strategy and nproc < 4):
+        return {**row, "skipped": "no tokens to split" if model == "cnn" else "FSDP x TP needs 2 x 2 processes"}
     try:
-        check_memory(cfg, nproc=NPROC, world_size=NPROC, on_cpu=True)
+        cfg = parse_config(runner, flags, world_size=nproc)
+        check_layout(cfg, nproc)
+    except (ConfigError, ValueError) as e:
+        return {**row, "skipped": str(e)}
+    ranks = {rank: plan_rank(cfg, nproc, rank, count=bool(profile)) for rank in ranks_to_measure(cfg, nproc)}
+    row |= {f"planned_{key}": max(getattr(r, key) for r in ranks.values()) for key in ("peak_bytes", "state_bytes")}
+    row["sent_per_step_bytes"] = max(total_bytes(traffic(cfg, nproc, rank)) for rank in range(nproc))
+    row |= {"parameters": parameter_count(size, cfg.dataset, model), "batch_size": cfg.batch_size}
+    row["command"] = f"NPROC={nproc} bash run_{runner}.sh " + " ".join(flags)
+    if profile:
+        step = predict(cfg, nproc, {rank: r.count for rank, r in ranks.items()}, profile).to_json()
+        row["predicted"] = {k: v for k, v in step.items() if k != "ranks"}
+    try:
+        check_memory(cfg, nproc=nproc, world_size=nproc, on_cpu=True)
     except ConfigError as e:  # the memory wall: what the runner would say, without launching
-        return {**row, "fits": False, "refused": str(e)}
-    folder = out / f"{size}-{variant.replace(' ', '-')}"
-    shutil.rmtree(folder, ignore_errors=True)  # a previous launch's: the runner would move it aside, console and all
-    command = ["bash", f"run_{runner}.sh", *args]
-    ended = launch([*command, "--out", str(folder)], out=folder, nproc=NPROC, timeout_s=TIMEOUT_S)
-    row.update(fits=True, wall_s=ended["wall_s"])
+        return {**row, "refused": str(e)}
+    return {**row, "rounds": [], "stolen": []}
+
+
+def launch_one(row: dict[str, Any], *, out: Path, steps: int) -> None:
+    """One launch of `row`'s run, as a user does: its median step's samples/s joins row["rounds"]."""
+    from tools.compare import state_bytes_per_rank
+
+    model, size = row["model"].split()
+    folder = out / f"{model}-{size}-{row['strategy']}-{row['nproc']}"
+    shutil.rmtree(folder, ignore_errors=True)  # a previous launch's: the runner would move it aside
+    runner = STRATEGIES[row["strategy"]][0]
+    command = ["bash", f"run_{runner}.sh", *flags_for(model, size, row["strategy"], steps), "--out", str(folder)]
+    ended = launch(command, out=folder, nproc=row["nproc"], timeout_s=TIMEOUT_S)
+    row["stolen"].append(ended["stolen_share"])  # the hypervisor's share of the cores' time, per launch
     if ended["returncode"] != 0:
-        return {**row, "error": failure(folder, ended["returncode"])}
-    info, timed = read_run_json(folder), [r for r in records(folder) if r["step"] > 1]  # the first sets things up
+        row["failed"] = failure(folder, ended["returncode"])
+        return
+    stats = timing_stats(records(folder), warmup=WARMUP, timed=None, batch_size=row["batch_size"])
+    # the median step: a step that another process's burst slowed is the machine's, not the model's
+    row["rounds"].append(row["batch_size"] / stats["step_time_s"]["median"])
+    info = read_run_json(folder)
     row["measured_peak_bytes"] = max(m["peak_bytes"] for m in info["memory"]["per_rank"])
-    row["measured_state_bytes"] = max(run_json_facts(info)["tensor_bytes_per_rank"])
-    seconds = sum(r["step_time_s"] for r in timed)
-    row["samples_per_s"] = sum(r["samples_per_s"] * r["step_time_s"] for r in timed) / seconds
-    return {**row, "command": f"NPROC={NPROC} " + " ".join(command)}
+    row["measured_state_bytes"] = max(state_bytes_per_rank(info))
+    row["samples_per_s"] = statistics.median(row["rounds"])  # (so far: the median over the rounds)
+    if "predicted" in row:
+        row["error"] = row["predicted"]["samples_per_s"] / row["samples_per_s"] - 1
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
-    header = ["size", "parameters", "strategy", "state planned", "state measured", "peak planned", "peak measured"]
-    cells, gb = [], lambda n: fmt(n, ".3f", 1e-9)
-    for r in rows:
-        planned, speed = r["planned"], r.get("samples_per_s")
-        note = "" if speed else f"does not fit: {(r.get('refused') or r.get('error', ''))[:140]}"
-        cells.append(
-            [r["size"], f"{r['parameters'] / 1e6:.1f} M", r["variant"], gb(planned["state_bytes"])]
-            + [gb(r.get("measured_state_bytes")), gb(planned["peak_bytes"]), gb(r.get("measured_peak_bytes"))]
-            + [f"{speed:.0f}" if speed else "-", f"{r['bytes_sent_per_step'] / 1e6:.1f} MB", note]
-        )
-    intro = f"BabyCNN on {NPROC} CPU processes: memory per rank (GB, the rank that needs the most), planned by "
-    intro += "python -m planner and measured (--measure-peak), speed, and the bytes each rank sends per step."
-    return "\n".join([intro, "", *md_table([*header, "samples/s", "sent per step", ""], cells)]) + "\n"
+def _spread(r: dict[str, Any]) -> float | None:
+    rounds = r.get("rounds") or []
+    return max(rounds) / min(rounds) - 1 if len(rounds) > 1 else None
+
+
+GB, MB = (lambda key: lambda r: fmt(r.get(key), ".3f", 1e-9)), (lambda key: lambda r: fmt(r.get(key), ".1f", 1e-6))
+COLUMNS: list[tuple[str, Callable[[dict[str, Any]], object]]] = [
+    ("model", lambda r: r["model"]),
+    ("strategy", lambda r: r["strategy"]),
+    ("processes", lambda r: r["nproc"]),
+    ("samples/s", lambda r: fmt(r.get("samples_per_s"), ".0f")),
+    ("predicted", lambda r: fmt(r["predicted"]["samples_per_s"], ".0f")),
+    ("error", lambda r: fmt(r.get("error"), "+.0%")),
+    ("spread", lambda r: fmt(_spread(r), ".0%")),
+    ("stolen", lambda r: fmt(max(r["stolen"], default=None), ".1%")),
+    ("compute ms", lambda r: fmt(r["predicted"]["compute_s"], ".1f", 1e3)),
+    ("communication ms", lambda r: fmt(r["predicted"]["communication_s"], ".1f", 1e3)),
+    ("peak GB planned", GB("planned_peak_bytes")),
+    ("measured", GB("measured_peak_bytes")),
+    ("state GB planned", GB("planned_state_bytes")),
+    ("measured", GB("measured_state_bytes")),
+    ("sent per step MB", MB("sent_per_step_bytes")),
+    ("", lambda r: (r.get("refused") or r.get("failed") or "")[:140]),
+]
+TIME_COLUMNS = ("predicted", "error", "compute ms", "communication ms")  # with --profile only
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    errors = [abs(r["error"]) for r in rows if "error" in r]
+    found = {"runs": len(errors)}
+    return found | ({"median_abs_error": statistics.median(errors), "max_abs_error": max(errors)} if errors else {})
+
+
+def markdown(report: dict[str, Any]) -> str:
+    rows, s = [r for r in report["rows"] if "skipped" not in r], report["summary"]
+    columns = [(t, cell) for t, cell in COLUMNS if report["profile"] or t not in TIME_COLUMNS]
+    lines = [f"{report['date']}, {report['machine']}, torch {report['torch']}; `{report['command']}`.", ""]
+    if s["runs"]:
+        lines += [f"Over {s['runs']} runs: median |error| {s['median_abs_error']:.1%}, largest "
+                  f"{s['max_abs_error']:.1%} (profile: {report['profile']}). \"spread\": a run's fastest launch over "
+                  "its slowest, less one; \"stolen\": the largest share of the cores' time the hypervisor gave other "
+                  "guests during one of its launches.", ""]  # fmt: skip
+    lines += ["Memory per rank: the rank that needs the most, planned by python -m planner and measured.", ""]
+    return "\n".join([*lines, *md_table([t for t, _ in columns], ([c(r) for _, c in columns] for r in rows))]) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="baby,small,medium,large")
-    parser.add_argument("--steps", type=int, default=4, help="steps per run (the first is left out of samples/s)")
+    parser = Parser(prog="python -m bench.scale", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--models", default="cnn:baby,cnn:small,cnn:medium,cnn:large", help="model:size, comma-separated"
+    )
+    parser.add_argument(
+        "--strategies", default="ddp,fsdp,fsdp-grad-op,pipeline,tp,fsdp-x-tp", help=",".join(STRATEGIES)
+    )
+    parser.add_argument("--procs", default="4", help="process counts, comma-separated")
+    parser.add_argument("--steps", type=int, default=6, help=f"steps per run (the first {WARMUP} not timed)")
+    parser.add_argument("--rounds", type=int, default=1, help="launches of each run, interleaved; the median counts")
+    parser.add_argument("--profile", help="a profile (python -m bench.machine) to predict each run's speed with")
     parser.add_argument("--out", default="runs/scale")
-    args = parser.parse_args(argv)
+    args = parser.parse(argv)
+    from common.versions import NEEDS_PLANNER
+    from runner.entry import require_torch
+
     require_torch(NEEDS_PLANNER, "python -m bench.scale")  # it plans each run
+    procs, models = numbers("--procs", args.procs), [m.split(":") for m in args.models.split(",")]
+    if args.steps < WARMUP + 3 or args.rounds < 1:
+        fail(f"--steps {args.steps} --rounds {args.rounds}: at least {WARMUP + 3} steps and 1 round")
+    if bad := [m for m in models if len(m) != 2] or [s for s in args.strategies.split(",") if s not in STRATEGIES]:
+        fail(f"--models or --strategies: {bad[0]}; a model is model:size, a strategy one of {','.join(STRATEGIES)}")
+    import torch
+
+    from bench import figures
+    from common.errors import ConfigError
+    from planner.timing import load_profile
+    from runner.memory import MIB_PER_CPU_PROCESS, available_mib
+
+    try:
+        profile = load_profile(args.profile) if args.profile else None
+    except ConfigError as e:
+        fail(str(e))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for size in args.sizes.split(","):
-        for variant in VARIANTS:
-            print(f"[scale] {size} {variant} on {NPROC} processes", flush=True)
-            rows.append(run_one(size, variant, out=out, steps=args.steps))
-            print(f"[scale]   {json.dumps({k: v for k, v in rows[-1].items() if k != 'command'})}", flush=True)
-    (out / "scale.json").write_text(json.dumps(rows, indent=1))
-    (out / "scale.md").write_text(markdown(rows))
+    for (model, size), strategy, nproc in (
+        (m, s, n) for m in models for s in args.strategies.split(",") for n in procs
+    ):
+        print(f"[scale] planning {model} {size} {strategy} on {nproc}", flush=True)
+        rows.append(plan_one(model, size, strategy, nproc, steps=args.steps, profile=profile))
+    for round_ in range(args.rounds):  # every run once a round
+        for row in (r for r in rows if "rounds" in r and "failed" not in r):
+            launch_one(row, out=out, steps=args.steps)
+            print(f"[scale] round {round_ + 1}: {json.dumps({k: v for k, v in row.items() if k != 'command'})}")
+    command = " ".join(["python -m bench.scale", *(argv if argv is not None else sys.argv[1:])])
+    report = {"command": command, "date": str(date.today()), "machine": f"{cpu_name()} ({CORES} cores)"}
+    report |= {"torch": torch.__version__, "profile": profile and profile.name, "rows": rows, "summary": summary(rows)}
+    (out / "scale.json").write_text(json.dumps(report, indent=1))
+    (out / "scale.md").write_text(markdown(report))
     available = available_mib()
-    budget = available and (available / NPROC - MIB_PER_CPU_PROCESS) * 2**20  # what each process may hold here
-    figures.scale(rows, out / "scale.png", nproc=NPROC, budget_bytes=budget)
-    print(markdown(rows))
+    budget = available and (available / max(procs) - MIB_PER_CPU_PROCESS) * 2**20  # what each process may hold here
+    figures.scale([r for r in rows if r["nproc"] == max(procs)], out / "scale.png", nproc=max(procs), budget=budget)
+    print(markdown(report))
     print(f"wrote {out / 'scale.json'}, {out / 'scale.md'}, {out / 'scale.png'}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """The benchmark itself, on tiny settings: it launches real runs (the suite's DDP on 1 and 2 processes, the
 conventional baseline on 2) and writes a JSON whose numbers are real, positive and consistent with each
-other, with the runs' own metrics and with the 1-process run's profiler trace. Nothing here asserts a speed:
-timing belongs in the benchmark's output, not in a pass/fail."""
+other and with the runs' own metrics. Nothing here asserts a speed: timing belongs in the benchmark's output,
+not in a pass/fail."""
 
 import json
 import math
@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from bench.ceilings import pipeline_ceiling
 from tests.helpers import read_metrics
 from tests.integration.early import Command
 
@@ -29,7 +28,6 @@ def report(early):
     out, _ = early.finished("bench/quick")
     markdown = (out / "bench.md").read_text()
     assert markdown.count("\n| ddp | fp32 |") == 2
-    assert "Where a step goes (profiler spans of a real `train_ddp.py` run)" in markdown
     return json.loads((out / "bench.json").read_text())
 
 
@@ -51,7 +49,7 @@ def test_every_launch_ran_and_its_numbers_agree_with_its_metrics(report):
     runs = report["runs"]
     assert [(r["strategy"], r["nproc"]) for r in runs] == [("ddp", 1), ("baseline", 2), ("ddp", 2)]
     batch, warmup = report["settings"]["batch_size"], report["settings"]["warmup_steps"]
-    last_timed = warmup + report["settings"]["timed_steps"]  # the 1-process DDP run profiles steps after it
+    last_timed = warmup + report["settings"]["timed_steps"]
     for r in runs:
         assert r["ok"], r.get("error")
         st = r["step_time_s"]
@@ -76,33 +74,9 @@ def test_every_launch_ran_and_its_numbers_agree_with_its_metrics(report):
     assert 0 <= ddp1["test_accuracy"] <= 1
 
 
-def test_step_breakdown_is_the_1_process_ddp_runs_profiled_steps(report):
-    (breakdown,) = report["step_breakdown"]
-    ddp1 = report["runs"][0]
-    # taken from the DDP 1-process run's own trace, of steps after its timed ones (the first left out)
-    assert (breakdown["run"], breakdown["command"]) == ("ddp", ddp1["command"])
-    trace = Path(breakdown["trace"])
-    assert trace.is_file() and trace.is_relative_to(ddp1["out"])
-    first, last = breakdown["profiled_steps"]
-    assert first == report["settings"]["warmup_steps"] + report["settings"]["timed_steps"] + 1
-    assert breakdown["steps"] == list(range(first + 1, last + 1))
-    assert breakdown["batch_size"] == report["settings"]["batch_size"]
-    assert sum(breakdown["share"].values()) == pytest.approx(1, abs=1e-6)
-    assert all(0 <= v < 1 for v in breakdown["share"].values())
-    assert breakdown["share"]["forward"] > 0 and breakdown["share"]["backward"] > 0
-    assert breakdown["median_ms"]["forward"] > 0 and breakdown["median_ms"]["backward"] > 0
-    assert report["scaling"]["ddp"].keys() == {"1", "2"}
-
-
-def test_pipeline_ceiling_is_the_heaviest_stage_on_one_core(report):
-    layers = {layer["layer"]: layer["forward"] + layer["backward"] for layer in report["model"]["layers"]}
-    ceiling = pipeline_ceiling(report["model"]["layers"], stage_counts=[2, 4], peak_one_thread_gflops=100.0)
-    # 2 stages: conv1 and conv2 in the first (the cut opens the second at flatten); 4: conv2 alone
-    assert ceiling["2"]["heaviest_stage"][:3] == ["conv1", "relu1", "conv2"]
-    assert ceiling["2"]["train_flops_per_sample"] == layers["conv1"] + layers["conv2"]
-    assert ceiling["4"]["heaviest_stage"][0] == "conv2"
-    assert ceiling["4"]["train_flops_per_sample"] == layers["conv2"]
-    assert ceiling["4"]["samples_per_s"] == pytest.approx(100e9 / layers["conv2"])
+def test_the_scaling_table_holds_the_runs_on_several_process_counts(report):
+    ddp1, _, ddp2 = report["runs"]
+    assert report["scaling"] == {"ddp": {"1": ddp1["samples_per_s"], "2": ddp2["samples_per_s"]}}
 
 
 def test_the_collective_benchmark_in_nccl_tests_terms(early):

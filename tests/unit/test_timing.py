@@ -275,78 +275,42 @@ def test_the_planner_refuses_what_it_cannot_plan_in_one_line(flags, said, capsys
 
 
 @needs_torch(NEEDS_PLANNER)
-def test_the_time_model_predicts_an_earlier_report_s_runs_anew_and_refuses_what_it_cannot_read(tmp_path, capsys):
-    """bench.time_model --replan: the measured launches of an earlier report beside a new prediction, nothing
-    launched; a file that is not such a report, or no profile, is one line."""
-    from bench.time_model import main
+def test_bench_scale_plans_each_run_and_predicts_it_with_a_profile_without_launching():
+    """python -m bench.scale's plan of a run: the rank that needs the most, the bytes it sends (planner/predict.py),
+    and with a profile its step; a run the scripts would not start is skipped, not launched."""
+    from bench.scale import plan_one
+    from common.model_sizes import parameter_count
 
-    profile = tmp_path / "profile.json"
-    profile.write_text((PROFILES / "h100-sxm.json").read_text())
-    earlier = tmp_path / "earlier.json"
-    earlier.write_text(json.dumps({"rows": [{"model": "cnn baby", "strategy": "ddp", "nproc": 1, "rounds": [500.0]}]}))
-    out = tmp_path / "replanned"
-    flags = ["--models", "cnn:baby", "--strategies", "ddp", "--procs", "1", "--profile", str(profile)]
-    assert main([*flags, "--replan", str(earlier), "--out", str(out)]) == 0
-    (row,) = json.loads((out / "time_model.json").read_text())["rows"]
-    assert row["rounds"] == [500.0] and row["measured"]["samples_per_s"] == 500.0  # the earlier launch, not a new one
-    assert row["error"] == pytest.approx(row["predicted"]["samples_per_s"] / 500.0 - 1)
-    earlier.write_text("{not json")
-    for replan, said in (
-        ([*flags, "--replan", str(earlier)], f"error: --replan {earlier}: not a report of python -m bench.time_model"),
-        (["--replan", str(earlier)], "error: --replan: give the --profile to predict with"),
-    ):
-        with pytest.raises(SystemExit) as ended:
-            main([*replan, "--out", str(tmp_path / "refused")])
-        err = capsys.readouterr().err
-        assert ended.value.code == 2 and err.count("\n") == 1 and err.startswith(said), err
-    assert not (tmp_path / "refused" / "time_model.json").exists()
-
-
-def test_bench_steps_splits_the_prediction_as_the_model_makes_it():
-    """python -m bench.steps: a step's predicted seconds are its operators' work at the profile's rates plus what the
-    profile charges beyond them (a call's cost, DTensor's, an FSDP unit's, once a step), and the measured step is
-    split the same way, by its operators timed alone."""
-    import torch
-
-    from bench.steps import parts, table
-    from planner.count import StepCounter
-
-    a = torch.ones(64, 64)
-    with StepCounter() as counter:
-        torch.mm(a, a)  # a forward call, outside autograd: one kernel call's cost
-    count = counter.count
-    count.dtensor_calls["forward", ""], count.fsdp_units = 2, 1
-    costs = {"step_overhead_s": 1e-3, "dtensor_overhead_s": 1e-4, "unit_overhead_s": 2e-3}
-    profile = Profile("test", "cpu", {2: Compute({"matmul": 1e9}, 1e9, 1e-5, **costs)}, {"fp32": 1e9}, cores=2)
-    found = parts(lambda: torch.mm(a, a), count, profile, threads=2)
-    assert found["operators_predicted_s"] == pytest.approx(2 * 64**3 / 1e9)
-    assert found["beyond_predicted_s"] == pytest.approx(1e-5 + 2 * 1e-4 + 2e-3 + 1e-3)
-    assert found["predicted_s"] == pytest.approx(found["operators_predicted_s"] + found["beyond_predicted_s"])
-    assert found["operators_alone_s"] > 0 and found["fresh_pages_s"] == 0
-    assert found["operators_inside_s"] > 0  # its one mm, timed in the step
-    assert found["beyond_measured_s"] == pytest.approx(found["measured_s"] - found["operators_alone_s"])
-    part = parts(lambda: torch.mm(a, a), count, profile, threads=2, whole=False)  # a part of a step: no cost once
-    assert part["beyond_predicted_s"] == pytest.approx(1e-5 + 2 * 1e-4 + 2e-3)
-    header, rule, row = table([{"model": "cnn baby", "wrap": "eager", **found}])
-    assert header.count("|") == rule.count("|") == row.count("|")  # a cell under every column
-    assert f"| {found['operators_inside_s'] * 1e3:.1f} |" in row
+    h100 = load_profile("h100-sxm")
+    row = plan_one("cnn", "baby", "ddp", 2, steps=6, profile=h100)
+    assert row["planned_peak_bytes"] > row["planned_state_bytes"] > 16 * parameter_count("baby")  # + AdamW's
+    assert row["sent_per_step_bytes"] == pytest.approx(4 * parameter_count("baby"), rel=0.01)  # ring: 2(n-1)/n = 1
+    assert row["predicted"]["samples_per_s"] > 0 and row["rounds"] == [] and "ranks" not in row["predicted"]
+    assert row["command"].startswith("NPROC=2 bash run_ddp.sh --model cnn --model-size baby --max-steps 6")
+    assert "predicted" not in plan_one("cnn", "baby", "ddp", 1, steps=6, profile=None)
+    assert plan_one("cnn", "baby", "tp-sp", 2, steps=6, profile=None)["skipped"] == "no tokens to split"
+    assert "skipped" in plan_one("vit", "baby", "fsdp-x-tp", 2, steps=6, profile=None)
 
 
 @pytest.mark.parametrize(
     "flags, said",
     [
+        (["--strategies", "ddp,zero3"], "error: --models or --strategies: zero3; a model is model:size"),
+        (["--models", "cnn"], "error: --models or --strategies: ['cnn']; a model is model:size"),
+        (["--steps", "4"], "error: --steps 4 --rounds 1: at least 6 steps and 1 round"),
+        (["--procs", "2,x"], "error: --procs: '2,x'; give positive whole numbers"),
         (["--profile", "tpu-v9"], "error: --profile: no profile 'tpu-v9'"),
-        (["--profile", "h100-sxm", "--batch", "0"], "error: --batch 0 --threads 2: a batch of at least 1"),
+        (["--rounds", "many"], "error: argument --rounds: invalid int value: 'many' (see --help)"),
     ],
 )
-def test_bench_steps_refuses_what_it_cannot_measure_in_one_line(flags, said, capsys, monkeypatch):
-    import bench.steps
+def test_bench_scale_refuses_bad_flags_in_one_line(flags, said, capsys, tmp_path):
+    from bench.scale import main
 
-    monkeypatch.setattr(bench.steps, "CORES", 2)  # (the message names this machine's cores)
     with pytest.raises(SystemExit) as ended:
-        bench.steps.main(flags)
+        main([*flags, "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert ended.value.code == 2 and err.count("\n") == 1 and err.startswith(said), err
+    assert not (tmp_path / "scale.json").exists()
 
 
 def test_ranks_that_share_the_cores_share_them_only_while_busy():
