@@ -177,19 +177,54 @@ def _nbytes(tree: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
 
 
-def _fresh_bytes(func: Any, out: Any) -> int:
-    """The bytes of the new storages of MMAP_THRESHOLD or more that a call makes (its outputs that alias no input,
-    each storage once: FSDP's all-gather input is a view of its output)."""
+def _outputs(func: Any, out: Any) -> list[tuple[Any, Any]]:
+    """(its schema's return, what was returned) for each of a call's returns (one may be a list of tensors: a foreach
+    operator's)."""
     returns = func._schema.returns
-    outputs = [out] if len(returns) == 1 else out or ()  # (one return may be a list of tensors: a foreach operator's)
+    return list(zip(returns, [out] if len(returns) == 1 else out or ()))
+
+
+def _storages(tree: Any) -> set[int]:
+    return {t.untyped_storage()._cdata for t in tree_leaves(tree) if isinstance(t, torch.Tensor)}
+
+
+def _fresh_bytes(func: Any, args: Any, out: Any) -> int:
+    """The bytes of the new storages of MMAP_THRESHOLD or more that a call makes (its outputs that alias no input,
+    each storage once: FSDP's all-gather input is a view of its output, and a storage its arguments hold was made, and
+    counted, by the call that allocated it: FSDP's all-gather output, an `empty` before its copy-in)."""
+    held = _storages(args)
     storages = {
         t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-        for output, returned in zip(outputs, returns)
+        for returned, output in _outputs(func, out)
         if returned.alias_info is None
         for t in tree_leaves(output)
-        if isinstance(t, torch.Tensor)
+        if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in held
     }
     return sum(n for n in storages.values() if n >= MMAP_THRESHOLD)
+
+
+# In-place operators that overwrite their destination without reading it (`out=` arguments are such too)
+OVERWRITES = {"aten.copy_", "aten._foreach_copy_", "aten.fill_", "aten.zero_", "aten._foreach_zero_"}
+# FSDP's copy into its all-gather buffer, whose schema says nothing of what it writes: it reads the shards (its first
+# argument) and writes them into this rank's slice of the buffer (its first output), none of the rest
+COPY_IN = "fsdp.all_gather_copy_in"
+
+
+def _traffic(func: Any, name: str, args: tuple, kwargs: dict, out: Any) -> int:
+    """The bytes a call reads and writes: the tensors it is given, but a destination it only writes (copy_'s, an
+    `out=`), and what it writes: its arguments it updates in place and its outputs that are not one of them."""
+    if name == COPY_IN:
+        return _nbytes(args[0]) + _nbytes(out[0])
+    schema = func._schema.arguments
+    given = [*zip(schema, args), *((a, kwargs[a.name]) for a in schema if a.name in kwargs)]
+    read = written = 0
+    for argument, value in given:
+        updated = argument.alias_info is not None and argument.alias_info.is_write
+        written += _nbytes(value) if updated else 0
+        read += 0 if updated and (argument.kwarg_only or name in OVERWRITES) else _nbytes(value)
+    # (an in-place operator returns what it updated: counted above)
+    written += sum(_nbytes(o) for r, o in _outputs(func, out) if r.alias_info is None or not r.alias_info.is_write)
+    return read + written
 
 
 class StepCounter(TorchDispatchMode):
@@ -333,13 +368,10 @@ class StepCounter(TorchDispatchMode):
         if key not in self.count.ops:
             spec = lambda t: TensorSpec(tuple(t.shape), tuple(t.stride()), t.dtype)  # noqa: E731
             call = (func, *tree_map_only(torch.Tensor, spec, (args, kwargs)))
-            # read: its tensor arguments; written: its outputs, or what an in-place operator returns nothing of
-            mutable = (s.alias_info is not None and s.alias_info.is_write for s in func._schema.arguments)
-            written = sum(_nbytes(a) for a, is_written in zip(args, mutable) if is_written)
-            nbytes = _nbytes((args, kwargs)) + (_nbytes(out) or written)
+            nbytes = _traffic(func, name, args, kwargs, out)
             floats = (t.dtype for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.is_floating_point())
             dtype = DTYPES.get(next(floats, torch.float32), "fp32")
-            fresh = _fresh_bytes(func, out)
+            fresh = _fresh_bytes(func, (args, kwargs), out)
             self.count.ops[key] = Op(name, phase, flops, nbytes, 0, self._action, call, dtype, shapes, key[0], fresh)
         self.count.ops[key].calls += 1
         self._since[key] = self._since.get(key, 0) + 1
