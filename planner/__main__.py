@@ -9,8 +9,8 @@ Every figure comes from running the scripts' own wrap and one training step of i
 fake process group of the world size and fake tensors (planner/measure.py): per rank the parameters, gradients
 and optimizer state (what run.json reports), and the peak of the step. Beside them: the textbook's 16 bytes per
 parameter (AdamW, fp32), divided by the ranks sharing each parameter. With --profile, the same step counted (its
-operators' FLOPs and bytes, its collectives) and timed on that machine (planner/timing.py). docs/scale.md says how to
-read it.
+operators' FLOPs and bytes, its collectives) and timed on that machine (planner/timing.py). How to read the memory:
+docs/memory.md; the time: docs/time.md.
 """
 
 from __future__ import annotations

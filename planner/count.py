@@ -12,7 +12,7 @@ DTensor dispatches), so a TP rank's FLOPs are its share and its collectives thos
 call itself apart (`dtensor_calls`: its dispatch in Python costs time of its own); what DTensor runs
 on fake tensors of its own to learn an output's shape (a convolution's, at every call) is not counted. The phase is
 backward while autograd runs (hooks included: DDP's buckets, FSDP's reduce-scatters), optimizer where the step says
-so, else forward. planner/timing.py turns a count into time; docs/scale.md, "Time", says how.
+so, else forward. planner/timing.py turns a count into time; docs/time.md says how.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ def time_table(plans: list[Plan], profile_name: str) -> str:
     """Each plan's step, predicted on the profile's machine (planner/timing.py): the slowest rank's compute and
     communication, what of that communication no compute hides, a pipeline's bubble."""
     lines = [
-        f"\nTime per step on {profile_name} (planner/timing.py; docs/scale.md, Time):",
+        f"\nTime per step on {profile_name} (planner/timing.py; docs/time.md):",
         "",
         "| strategy | ranks | step | samples/s | MFU | compute | communication | exposed | bubble |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -1,6 +1,6 @@
 """Time on the plan: a training step's time per rank, predicted from the planner's counted fake step
 (planner/count.py) and a machine profile (planner/profiles/: published figures for GPUs, or this machine's, measured
-by `python -m bench.machine`). docs/scale.md, "Time", says how to read it.
+by `python -m bench.machine`). docs/time.md says how to read it.
 
 - **Compute**: every operator the step ran, `calls x (work + overhead)`: its work as the profile timed that very
   call, else `max(FLOPs / achievable FLOP/s, bytes / memory bandwidth)` at its class's rate (a matmul, a
@@ -307,7 +307,7 @@ def load_profile(name: str) -> Profile:
         )
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         what = f"{type(e).__name__}: {e}" if not isinstance(e, json.JSONDecodeError) else f"not JSON ({e})"
-        raise ConfigError(f"--profile: {path} is not a machine profile ({what}); see docs/scale.md, Time") from None
+        raise ConfigError(f"--profile: {path} is not a machine profile ({what}); see docs/time.md, Profiles") from None
 
 
 @dataclass
