@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import atexit
 import contextlib
 import functools
 import importlib.util
@@ -42,6 +43,7 @@ import os
 import re
 import runpy
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -333,6 +335,7 @@ def _warm_up(imports: list[str]) -> str | None:
     return None
 
 
+@functools.cache
 def _imports_of(path: Path) -> list[str]:
     """The modules of this repository that the file `path` imports at its top level."""
     found = []
@@ -381,6 +384,7 @@ def _entry_file(module: str) -> Path | None:
     return Path(spec.origin)
 
 
+@functools.cache
 def _has_parser(path: Path) -> bool:
     """Whether the entry file, or a module of the suite it imports (at top level, transitively), holds an argparse
     parser or parse_config: an entry point without one would not stop at a parse, it would run."""
@@ -482,6 +486,7 @@ if [ "$1" = "-c" ]; then echo "cpu 1"; fi
 @functools.cache
 def _stub() -> str:
     folder = tempfile.mkdtemp(prefix="doc-check-")
+    atexit.register(shutil.rmtree, folder, True)
     path = os.path.join(folder, "python")
     with open(path, "w") as f:
         f.write(_STUB)

@@ -24,7 +24,7 @@ import subprocess
 from tests.doc_markdown import ROOT, Page, anchors, links, read_page
 
 SYMBOL = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\(.*\))?$")
-BARE = re.compile(r"^([a-z][a-z0-9]*(?:_[a-z0-9]+)+)(?:\(.*\))?$")
+BARE = re.compile(r"^([a-z][a-z0-9]*(?:_[a-z][a-z0-9]*)+)(?:\(.*\))?$")  # (not step_0000015, a folder)
 PATH = re.compile(r"^\.?[\w.-]+(?:/[\w.-]*)*$")
 SOURCE_FILE = re.compile(r"\.(py|sh|md|txt|toml|ini|sbatch|cfg)$")
 OWN = ("tests/doc_", "tests/unit/test_docs.py")
