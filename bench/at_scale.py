@@ -1,5 +1,5 @@
 """The planner's time model on GPUs: its predictions set beside published measurements of systems whose model it can
-express, and what it says about 8 to 1,024 GPUs. Nothing is launched: every number is a plan (python -m planner's
+express, and each pipeline schedule's bubble on H100. Nothing is launched: every number is a plan (python -m planner's
 fake step, counted) timed on a published profile (planner/profiles/).
 
     python -m bench.at_scale                      # runs/at_scale/at_scale.md (~10 CPU-minutes on 2 cores)
@@ -9,8 +9,9 @@ fake step, counted) timed on a published profile (planner/profiles/).
   results/benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv) for ViT-Ti/16, S/16, B/16, L/16; NVIDIA NeMo's ViT g/14
   on 1 to 16 DGX nodes of 8 A100s or H100s (bf16, 64 images per GPU, no tensor or pipeline parallelism: data
   parallel with a distributed optimizer, whose reduce-scatter and all-gather move what DDP's all-reduce does).
-- **At scale**, on H100: FSDP's exposed communication against the batch per GPU (where it hides), TP's exposed share,
-  and the bubble of each pipeline schedule.
+- **Schedules**, on H100: the bubble of each pipeline schedule. FSDP and FSDP x TP at scale are the planner's own:
+  python -m planner --model vit --model-size g14 --precision bf16 --profile h100-sxm --world-sizes 8,64,1024
+  --per-rank-batch 4 (16, 64) --variants "fsdp full, a unit per block;fsdp x tp".
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.launches import Parser, numbers
+from bench.launches import Parser
 from bench.report import fmt, md_table
 
 TIMM = "huggingface/pytorch-image-models results/benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv"
@@ -63,32 +64,21 @@ def published(rows_out: list[dict[str, Any]]) -> dict[str, Any]:
     return {"median_abs_error": statistics.median(errors), "max_abs_error": max(errors)}
 
 
-def sweeps(model: str, size: str, worlds: Sequence[int], batches: Sequence[int]) -> dict[str, list[dict[str, Any]]]:
-    """On H100: FSDP (a unit per block, bf16) against the batch per GPU; TP x FSDP's exposed share; each pipeline
-    schedule's bubble (4 stages, 8 micro-batches)."""
+def schedules(model: str, size: str, batch: int) -> list[dict[str, Any]]:
+    """On H100: each pipeline schedule's bubble, 4 stages, 8 micro-batches of `batch` samples (bf16). (What FSDP and
+    TP do at scale, python -m planner --profile h100-sxm prints itself.)"""
     from common.config import Config
-    from planner.plan import time_config, variant_config
+    from planner.plan import time_config
     from planner.timing import load_profile
     from runner.layout import would_start
 
-    h100 = load_profile("h100-sxm")
-    found: dict[str, list[dict[str, Any]]] = {"fsdp": [], "tp": [], "pipeline": []}
-    for world in worlds:
-        for batch in batches:
-            base = Config(model=model, model_size=size, precision="bf16", batch_size=batch * world)
-            variant = "fsdp full, a unit per block" if model == "vit" else "fsdp full, a unit per layer"
-            if cfg := variant_config(variant, base, world):
-                found["fsdp"].append(_row(world, batch, time_config(cfg, world, h100)))
-        base = Config(model=model, model_size=size, precision="bf16", batch_size=batches[-1] * world)
-        if cfg := variant_config("fsdp x tp", base, world):
-            found["tp"].append({**_row(world, batches[-1], time_config(cfg, world, h100)), "tp": world // cfg.dp})
+    found = []
     for schedule, per_rank in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zbv", 2)):
-        base = Config(model=model, model_size=size, precision="bf16", batch_size=8 * batches[-1])
-        cfg = replace(base, strategy="pippy", schedule=schedule, stages_per_rank=per_rank, n_microbatches=8, dp=1)
-        if not would_start(cfg, 4, planned=True):
-            continue
-        step = time_config(cfg, 4, h100)
-        found["pipeline"].append({**_row(4, batches[-1] * 2, step), "schedule": schedule, "bubble": step.bubble})
+        base = Config(model=model, model_size=size, precision="bf16", batch_size=8 * batch, strategy="pippy")
+        cfg = replace(base, schedule=schedule, stages_per_rank=per_rank, n_microbatches=8, dp=1)
+        if would_start(cfg, 4, planned=True):
+            step = time_config(cfg, 4, load_profile("h100-sxm"))
+            found.append({**_row(4, batch * 2, step), "schedule": schedule, "bubble": step.bubble})
     return found
 
 
@@ -97,7 +87,7 @@ def _row(world: int, batch: int, step: Any) -> dict[str, Any]:
     return row | {k: getattr(step, k) for k in ("step_s", "samples_per_s", "mfu", "communication_s", "exposed_s")}
 
 
-SWEEP_COLUMNS = [  # (title, cell of a sweep's row)
+SWEEP_COLUMNS = [  # (title, cell of a schedule's row)
     ("GPUs", lambda r: r["gpus"]),
     ("batch per GPU", lambda r: r["per_gpu_batch"]),
     ("step ms", lambda r: fmt(r["step_s"], ".1f", 1e3)),
@@ -107,8 +97,7 @@ SWEEP_COLUMNS = [  # (title, cell of a sweep's row)
     ("exposed ms", lambda r: fmt(r["exposed_s"], ".1f", 1e3)),
     ("exposed", lambda r: fmt(r["exposed_share"], ".0%")),
 ]
-EXTRA = {"tp": [("TP degree", lambda r: r["tp"])], "pipeline": [("schedule", lambda r: r["schedule"])]}
-EXTRA["pipeline"].append(("bubble", lambda r: fmt(r["bubble"], ".0%")))
+SWEEP_COLUMNS += [("schedule", lambda r: r["schedule"]), ("bubble", lambda r: fmt(r["bubble"], ".0%"))]
 PUBLISHED_COLUMNS = [
     ("system", lambda r: r["what"]),
     ("GPUs", lambda r: r["gpus"]),
@@ -130,21 +119,18 @@ def markdown(report: dict[str, Any]) -> str:
             f"{len(rows)} comparisons: median |error| {s['median_abs_error']:.0%}, largest {s['max_abs_error']:.0%}."
         ]
         lines += ["", *table(PUBLISHED_COLUMNS, rows), ""]
-    for name, title in (("fsdp", "FSDP against the batch per GPU"), ("tp", "FSDP x TP"), ("pipeline", "Schedules")):
-        if rows := report.get("sweeps", {}).get(name):
-            lines += [f"## {title}", "", *table(SWEEP_COLUMNS + EXTRA.get(name, []), rows), ""]
+    if rows := report.get("schedules"):
+        lines += ["## Schedules", "", *table(SWEEP_COLUMNS, rows), ""]
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = Parser(prog="python -m bench.at_scale", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=("published", "sweeps"), help="one half only")
-    parser.add_argument("--model", default="vit:g14", help="model:size of the sweeps")
-    parser.add_argument("--worlds", default="8,64,1024", help="GPU counts of the sweeps")
-    parser.add_argument("--batches", default="4,16,64", help="per-GPU batches of the sweeps")
+    parser = Parser("python -m bench.at_scale", __doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=("published", "schedules"), help="one half only")
+    parser.add_argument("--model", default="vit:g14", help="model:size of the schedules")
+    parser.add_argument("--batch", type=int, default=64, help="samples per micro-batch of the schedules")
     parser.add_argument("--out", default="runs/at_scale")
     args = parser.parse(argv)
-    worlds, batches = numbers("--worlds", args.worlds), numbers("--batches", args.batches)
     from common.versions import NEEDS_PLANNER
     from runner.entry import require_torch
 
@@ -155,12 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python -m bench.at_scale", *(argv if argv is not None else sys.argv[1:])])
     report: dict[str, Any] = {"command": command, "torch": torch.__version__}
-    if args.only != "sweeps":
+    if args.only != "schedules":
         report["published"] = []
         report["published_summary"] = published(report["published"])
     if args.only != "published":
-        model, _, size = args.model.partition(":")
-        report["sweeps"] = sweeps(model, size, worlds, batches)
+        report["schedules"] = schedules(*args.model.partition(":")[::2], args.batch)
     (out / "at_scale.json").write_text(json.dumps(report, indent=1))
     (out / "at_scale.md").write_text(markdown(report))
     print(markdown(report))

@@ -13,14 +13,13 @@ import argparse
 import json
 import math
 import re
-import shutil
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from bench.launches import CORES, LoadWatch, failure, launch, read_run_json, records, run_json_facts, timing_stats
+from bench.launches import CORES, LoadWatch, Parser, launch_and_read, numbers
 from bench.plan import RunSpec, Settings, default_plan, quick_plan
 from bench.report import annotate, markdown, scaling_table
 
@@ -68,8 +67,7 @@ def model_flops(size: str = "baby", dataset: str = "digits") -> dict[str, Any]:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    formatter = argparse.ArgumentDefaultsHelpFormatter
-    parser = argparse.ArgumentParser("python -m bench", description=__doc__.split("\n\n")[0], formatter_class=formatter)
+    parser = Parser("python -m bench", __doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--out", default="runs/bench", help="where bench.json, bench.md and the run folders go")
     add("--procs", default="1,2,4", help="process counts for the scaling runs")
@@ -86,7 +84,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     add("--quick", action="store_true", help="tiny settings: a smoke test of the benchmark itself")
     add("--wait-quiet", type=float, default=0, help="wait up to this many seconds for load < 1 first")
     add("--timeout-s", type=float, default=300, help="per launch")
-    args = parser.parse_args(argv)
+    args = parser.parse(argv)
     args.repeats = args.repeats or (1 if args.quick else 3)
     if args.quick:  # a smoke test of the benchmark, not a measurement
         args.batch_size, args.warmup_steps, args.timed_steps = 32, 2, 3
@@ -95,10 +93,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def plan_of(args: argparse.Namespace) -> list[RunSpec]:
-    procs = [int(p) for p in args.procs.split(",")]
+    procs = numbers("--procs", args.procs)
     modes_procs = max(procs) if args.all else args.modes_procs
     runs = dict(modes_procs=modes_procs, full_runs=not args.no_full_runs, bf16=not args.no_bf16, more_bf16=args.all)
-    plan = quick_plan() if args.quick else default_plan(procs, batch_size=args.batch_size, **runs)
+    plan = quick_plan() if args.quick else default_plan(procs, **runs)
     wanted = set(args.only.split(",")) if args.only else None
     return [spec for spec in plan if wanted is None or spec.strategy in wanted]
 
@@ -107,22 +105,12 @@ def run_one(spec: RunSpec, s: Settings, *, work: Path, timeout_s: float, attempt
     """Launch `spec` once, into work/<its folder>, and return its row."""
     folder = f"{spec.name}_{spec.precision}_x{spec.nproc}" + (f"_launch{attempt}" if attempt else "")
     out = work / re.sub(r"[^A-Za-z0-9_.-]+", "_", folder)
-    shutil.rmtree(out, ignore_errors=True)
-    row: dict[str, Any] = {**asdict(spec), "out": str(out)}
     cmd = spec.command(s, out)
-    row["command"] = " ".join(cmd).replace(sys.executable, "python")
-    row.update(launch(cmd, out=out, nproc=spec.nproc, timeout_s=timeout_s))
-    if row["returncode"] != 0:
-        return {**row, "ok": False, "error": failure(out, row["returncode"])}
-    row["ok"] = True
-    train = records(out)
+    row = {**asdict(spec), "out": str(out), "command": " ".join(cmd).replace(sys.executable, "python")}
     timed = None if spec.full else s.timed  # the full run: every step after the warm-up
-    row.update(timing_stats(train, warmup=s.warmup, timed=timed, batch_size=spec.global_batch(s)))
-    if train and row["first_record_s"] is not None:
-        row["launch_to_first_step_s"] = row["first_record_s"] - train[0]["step_time_s"]
-    if info := read_run_json(out):
-        row.update(run_json_facts(info))
-    return row
+    row |= launch_and_read(cmd, out=out, nproc=spec.nproc, timeout_s=timeout_s, warmup=s.warmup, timed=timed,
+                           batch_size=s.batch_size)  # fmt: skip
+    return row | {"ok": "error" not in row}
 
 
 def launch_all(

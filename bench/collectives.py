@@ -20,9 +20,9 @@ import sys
 import time
 from datetime import date
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from bench.launches import CORES, ROOT, LoadWatch, cpu_name, cpu_seconds, peak_rss_bytes, torchrun
+from bench.launches import CORES, ROOT, LoadWatch, Parser, cpu_name, cpu_seconds, peak_rss_bytes, torchrun
 from bench.report import human
 from common.errors import UserError
 from runner.entry import fail
@@ -39,10 +39,9 @@ MIN_ITERS, MAX_ITERS = 3, 1000  # nccl-tests times 20 by default; here small mes
 WARMUP_ITERS, WARMUP_S = 5, 0.05  # nccl-tests' default -w 5, fewer where that would take longer than WARMUP_S
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 TIMING = "per op: the slowest rank's mean over back-to-back calls (nccl-tests -a 3)"
-# --after-compute: an all-reduce of TP's size in the ViT (512 KiB) after 8 ms of matmuls, about what a step computes
-# between two of its collectives (the ViT under TP: 6 ms), and after the other compute times of AFTER_CURVE_S: what a
-# step computes between two collectives ranges from a fraction of a millisecond (FSDP's units) to a whole backward
-# (DDP's one bucket); rounds interleaved, the median kept
+# --after-compute: an all-reduce of TP's size in the ViT (512 KiB) after each compute time of AFTER_CURVE_S: what a
+# step computes between two collectives, from a fraction of a millisecond (FSDP's units) to a whole backward (DDP's
+# one bucket); `extra_s` after 8 ms (the ViT under TP: 6 ms); rounds interleaved, the median kept
 AFTER_COMPUTE_S, AFTER_BYTES, AFTER_ROUNDS, AFTER_TARGET_S = 0.008, 512 << 10, 5, 0.5
 AFTER_CURVE_S, QUICK_CURVE_S = (0.001, 0.003, 0.008, 0.024), (0.002, 0.008)
 RUNTIME_MIB = 600  # a CPU worker's peak RSS besides its messages: 526 MiB measured with 1 MiB messages (torch, gloo)
@@ -52,11 +51,6 @@ def bus_factor(op: str, n: int) -> float:
     """nccl-tests' busbw / algbw on n ranks: the share of the size each rank sends (docs/communication.md)."""
     share = (n - 1) / n  # an all-reduce is a reduce-scatter then an all-gather
     return 2 * share if op.startswith("all_reduce") else share if op in ("reduce_scatter", "all_gather") else 1.0
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, as every entry point of the suite says a bad flag
-        raise UserError(f"{message} (see --help)")
 
 
 def parse_bytes(flag: str, text: str) -> int:
@@ -71,7 +65,7 @@ def parse_bytes(flag: str, text: str) -> int:
 def parse_args(argv: Sequence[str], world_size: int) -> argparse.Namespace:
     """The flags, checked for a run of `world_size` processes: a bad one raises UserError (one line)."""
     prog = "torchrun --standalone --nproc-per-node 4 -m bench.collectives"
-    parser = _Parser(prog, description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = Parser(prog, __doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--out", default="runs/collectives", help="folder for collectives.json and .png")
     add("--min-bytes", default="4096", help="smallest message (bytes; K, M, G: powers of 1024)")
@@ -208,13 +202,11 @@ def time_op(call: Callable[[], object] | None, env: DistEnv, *, target_s: float)
 
 
 def time_after_compute(env: DistEnv, *, quick: bool) -> dict[str, Any]:
-    """What an all-reduce costs a training step beyond the table's back-to-back time. A step calls each collective
-    after computing, and each rank arrives when its own compute ends: the ranks' compute holds the cores, the peer's
-    gloo threads must be woken and scheduled, and the first to arrive waits for the last, longer the longer each
-    computed. Timed here as the all-reduce of AFTER_BYTES after each compute time of AFTER_CURVE_S (matmuls), less
-    the matmuls alone and the back-to-back all-reduce, per call; the three in turn each round (this machine's speed
-    drifts), the slowest rank's, the median over the rounds. `extra_s`: after AFTER_COMPUTE_S; `curve`: [compute
-    seconds, extra seconds] at each. (A GPU's collectives run on their own stream beside compute: this is gloo's.)"""
+    """What an all-reduce costs a training step beyond the table's back-to-back time: each rank arrives when its own
+    compute ends, the peers' gloo threads must be woken on cores the compute holds, the first waits for the last.
+    The all-reduce of AFTER_BYTES after each compute time of AFTER_CURVE_S (matmuls), less the matmuls alone and the
+    back-to-back all-reduce; the three in turn each round (the speed drifts), the slowest rank's, the median over
+    rounds. `curve`: [compute seconds, extra seconds] at each. (gloo's: a GPU's run on a stream of their own.)"""
     import torch
     import torch.distributed as dist
 
@@ -315,8 +307,7 @@ def worker(argv: list[str]) -> None:
         report |= dict(torch=torch.__version__, date=date.today().isoformat(), machine=cpu_name(), cores=CORES)
         report |= dict(command=" ".join([command, *argv]), timing=TIMING, wall_s=wall_s, load_before=watch.load_before)
         report |= dict(other_processes_cores=other_cores, peak_rss_bytes=peak_rss, results=results)
-        if after:
-            report["after_compute"] = after
+        report |= {"after_compute": after} if after else {}
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "collectives.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.launches import ROOT, failure, launch, launch_env, records, torchrun
+from bench.launches import ROOT, Parser, failure, launch, launch_env, records, torchrun
 from bench.report import md_table
 
 TIMEOUT_S = 3600  # per launch: every configuration's run, one after another
@@ -41,11 +41,9 @@ def worker(what: str, arg: str) -> None:
             start, calls = time.perf_counter(), int(arg)
             for _ in range(calls):
                 stop_requested()
-            per_call = (time.perf_counter() - start) / calls
+            per_call_us = (time.perf_counter() - start) / calls * 1e6
             if env.is_main:
-                print(
-                    f"stop_requested(): {per_call * 1e6:.0f} us per call on {env.world_size} processes ({calls} calls)"
-                )
+                print(f"stop_requested(): {per_call_us:.0f} us per call on {env.world_size} processes ({calls} calls)")
             return
         for out, (strategy, flags) in json.loads(Path(arg).read_text()).items():
             cfg = parse_config(strategy, [*flags, "--out", out], world_size=env.world_size)
@@ -75,30 +73,26 @@ def paired(args: argparse.Namespace) -> None:
     times = {name: [step_times(name, r) for r in range(args.repeats)] for name in names}
     median = lambda name: statistics.median(t for run in times[name] for t in run[args.skip :])
     columns = ["median step, --max-grad-norm 0", "with 1.0", "cost"] if clip else ["eager median step", "compiled"]
+    columns += [] if clip else ["speed-up", "compiled: first steps, cold"]
     rows = []
     for s in strategies:
         a, b = median(f"{s} off"), median(f"{s} on")
         cold = sum(times[f"{s} on"][0][: args.skip])  # the first compiled run's first steps: an empty inductor cache
         rows.append([s, f"{a * 1e3:.2f} ms", f"{b * 1e3:.2f} ms"])
         rows[-1] += [f"{(b / a - 1) * 100:+.1f} %"] if clip else [f"{a / b:.2f}x", f"{cold:.1f} s"]
-    header = [
-        f"script ({args.procs} processes)",
-        *columns,
-        *([] if clip else ["speed-up", "compiled: first steps, cold"]),
-    ]
-    print("\n".join(md_table(header, rows)))
+    print("\n".join(md_table([f"script ({args.procs} processes)", *columns], rows)))
 
 
 def main() -> None:
     if sys.argv[1:2] in (["worker"], ["stop-check-worker"]):
         return worker(*sys.argv[1:3])
-    parser = argparse.ArgumentParser(prog="python -m bench.essentials", description=__doc__.split("\n")[0])
+    parser = Parser("python -m bench.essentials", __doc__.split("\n")[0])
     parser.add_argument("what", choices=["clip", "compile", "stop-check"])
     for flag, default in [("--procs", 4), ("--strategies", "ddp,fsdp,pippy"), ("--steps", 60), ("--repeats", 2)]:
         parser.add_argument(flag, type=type(default), default=default)
     parser.add_argument("--skip", type=int, default=5, help="first steps left out of the medians")
     parser.add_argument("--calls", type=int, default=200, help="stop-check: preemption checks timed")
-    args = parser.parse_args()
+    args = parser.parse(sys.argv[1:])
     if args.what != "stop-check":
         return paired(args)
     cmd = [*torchrun(args.procs), "-m", "bench.essentials", "stop-check-worker", str(args.calls)]

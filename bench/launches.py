@@ -8,6 +8,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -24,7 +25,11 @@ RSS_EVERY = 10  # polls between two RSS samples: reading every process's parent 
 
 
 class Parser(argparse.ArgumentParser):
-    """A benchmark's command line: a bad flag is a UserError, one line (no usage block), as everywhere in the suite."""
+    """A benchmark's command line: a bad flag is a UserError, one line (no usage block), as everywhere in the suite;
+    --help shows the defaults."""
+
+    def __init__(self, prog: str, description: str) -> None:
+        super().__init__(prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
     def error(self, message: str) -> NoReturn:
         raise UserError(f"{message} (see --help)")
@@ -212,16 +217,26 @@ def timing_stats(records: list[dict[str, Any]], *, warmup: int, timed: int | Non
     return stats
 
 
-def run_json_facts(info: dict[str, Any]) -> dict[str, Any]:
-    """What a row takes from run.json: threads, tensor bytes, test accuracy, a pipeline's layout and bubble."""
+def launch_and_read(cmd: list[str], *, out: Path, nproc: int, timeout_s: float, warmup: int, timed: int | None,
+                    batch_size: int) -> dict[str, Any]:  # fmt: skip
+    """`launch` into a fresh `out`, then what the run wrote: `timing_stats`, its first step's time from the launch
+    and, from run.json, the threads, each rank's tensor bytes (and --measure-peak's peak), the test accuracy; on a
+    failure, "error": one line."""
     from tools.compare import state_bytes_per_rank
 
-    facts = dict(threads_per_process=info.get("threads_per_process"), tensor_bytes_per_rank=state_bytes_per_rank(info))
-    facts["test_accuracy"] = (info.get("final") or {}).get("test_accuracy")
-    if pipeline := info.get("pipeline"):
-        config = info["config"]
-        layout = dict(schedule=config["schedule"], replicas=config["dp"], pipeline_ranks=pipeline["pp_size"])
-        facts["pipeline"] = {**layout, "stages": pipeline["n_stages"]}
-        if pipeline.get("bubble"):  # the pipeline's own measurement: how busy each rank was
-            facts["pipeline_bubble"] = {k: pipeline["bubble"].get(k) for k in ("measured", "busy_fraction_per_rank")}
-    return facts
+    shutil.rmtree(out, ignore_errors=True)  # a previous launch's: a runner would move it aside
+    row = launch(cmd, out=out, nproc=nproc, timeout_s=timeout_s)
+    if row["returncode"] != 0:
+        return {**row, "error": failure(out, row["returncode"])}
+    train = records(out)
+    row |= timing_stats(train, warmup=warmup, timed=timed, batch_size=batch_size)
+    if train and row["first_record_s"] is not None:
+        row["launch_to_first_step_s"] = row["first_record_s"] - train[0]["step_time_s"]
+    if info := read_run_json(out):
+        row |= {
+            "threads_per_process": info.get("threads_per_process"),
+            "tensor_bytes_per_rank": state_bytes_per_rank(info),
+        }
+        row["peak_bytes_per_rank"] = [m.get("peak_bytes") for m in info["memory"]["per_rank"]]
+        row["test_accuracy"] = (info.get("final") or {}).get("test_accuracy")
+    return row

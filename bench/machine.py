@@ -31,6 +31,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any, Sequence
 
+from bench.fits import fit, split_overhead, wrapped_overheads
 from bench.launches import CORES, ROOT, Parser, cpu_name, launch_env, numbers, torchrun
 
 # The steps whose operators are timed: the models, strategies and process counts the time model is checked on with
@@ -44,6 +45,14 @@ COLD_BYTES = 64 << 20  # the inputs an operator is timed on rotate over this muc
 PER_CALL = ("step_overhead_s", "op_overhead_s", "dtensor_overhead_s", "unit_overhead_s")  # Python's, measured
 EAGER = ({}, {"model_size": "small"}, {"model": "vit"}, {"model": "vit", "model_size": "small"})  # sizes: the fit
 WRAPPED = ({}, {"model": "vit"})  # under TP and FSDP; each one of EAGER, the step it is set against
+SOURCES = {  # what profile.json says of each of its parts
+    "compute": "python -m bench.machine: the suite's models' operators, timed here (bench/machine.py)",
+    "collectives": "python -m bench.collectives at each group size, 1 KiB to 64 MiB",
+    "collective_after_compute_s": "python -m bench.collectives --after-compute: 512 KiB after 1 to 24 ms of "
+    "compute, [compute s, extra s]",
+    "peak_flops": "a 2048^3 matmul on all cores, fp32 and bf16 (bench/benchmark.py)",
+    "overlap": "gloo reduces on the cores that compute: nothing hides (docs/scale.md, Time)",
+}
 
 
 def counted_ops(quick: bool = False) -> dict[str, Any]:
@@ -52,8 +61,7 @@ def counted_ops(quick: bool = False) -> dict[str, Any]:
     from dataclasses import replace
 
     from common.config import Config
-    from planner.measure import plan_rank
-    from planner.plan import ranks_to_measure
+    from planner.plan import counted_steps
     from planner.timing import operator_key
     from runner.layout import would_start
 
@@ -61,8 +69,8 @@ def counted_ops(quick: bool = False) -> dict[str, Any]:
     runs = itertools.product(MODELS[:1] if quick else MODELS, STRATEGIES.items(), (1, 2) if quick else WORLDS)
     for flags, (strategy, own), world in runs:
         cfg = replace(Config(strategy=strategy, **flags, **own), train_size=4096)
-        for rank in ranks_to_measure(cfg, world) if would_start(cfg, world) else ():
-            for op in plan_rank(cfg, world, rank, count=True).count.ops.values():
+        for count in counted_steps(cfg, world).values() if would_start(cfg, world) else ():
+            for op in count.ops.values():
                 if (key := operator_key(op)) in found:
                     found[key].calls += op.calls
                 else:
@@ -73,8 +81,7 @@ def counted_ops(quick: bool = False) -> dict[str, Any]:
 def cold_inputs(op: Any, spread: int = COLD_BYTES) -> list[tuple[Any, Any]]:
     """Copies of `op`'s (args, kwargs) on real tensors (random floats, zero indices), as many as span `spread` bytes
     (2 to 256): timed in turn, each call reads inputs last touched `spread` bytes ago, out of the caches, as in a step,
-    where an operator reads what others wrote before it (the ViT's step at the runs' batch: its operators took 26-41 %
-    longer in it than on inputs kept in cache, 9-12 % longer than on inputs rotated: docs/scale.md)."""
+    where an operator reads what others wrote before it."""
     import torch
     from torch.utils._pytree import tree_flatten, tree_map_only
 
@@ -108,9 +115,8 @@ def time_op(op: Any) -> float | None:
 
 
 def fresh_bytes_per_s(nbytes: int = 64 << 20) -> float:
-    """How fast the OS gives this process pages it has not touched: a buffer of `nbytes` (over MMAP_THRESHOLD, as the
-    runs' allocator is set: each allocation mapped afresh) filled on new pages, against the same fill into a buffer
-    kept, on this process's threads."""
+    """How fast the OS gives this process pages it has not touched: a fill of `nbytes` on new pages (over
+    MMAP_THRESHOLD, as the runs' allocator maps them afresh) against one into a buffer kept."""
     import torch
 
     from common.distributed import keep_freed_memory
@@ -137,59 +143,6 @@ def keep_every_page() -> bool:
 
     m_mmap_max = -4  # glibc's malloc.h
     return keep_freed_memory() and bool(ctypes.CDLL("libc.so.6").mallopt(m_mmap_max, 0))
-
-
-def _nonnegative_least_squares(a: Any, b: Any) -> Any:
-    """argmin |a x - b| over x >= 0, for the few columns here: the best of the unconstrained fits on every subset of
-    columns whose solution is non-negative (the others held at 0)."""
-    import numpy as np
-
-    scale = np.maximum(np.abs(a).max(axis=0), 1e-300)
-    a = a / scale
-    best, best_error = np.zeros(a.shape[1]), float(np.sum(b**2))
-    for k in range(1, a.shape[1] + 1):
-        for subset in itertools.combinations(range(a.shape[1]), k):
-            x, *_ = np.linalg.lstsq(a[:, subset], b, rcond=None)
-            if (x >= 0).all() and (error := float(np.sum((a[:, subset] @ x - b) ** 2))) < best_error:
-                best, best_error = np.zeros(a.shape[1]), error
-                best[list(subset)] = x
-    return best / scale
-
-
-def fit(rows: list[tuple[str, int, int, float, int]]) -> dict[str, Any]:
-    """From (class, FLOPs, bytes, seconds, calls in the steps) per operator: the overhead per call, FLOP/s per
-    class and the memory bandwidth minimising the squared error of each operator's time weighted by its calls
-    (so the operators a step spends its time in decide), all non-negative."""
-    import numpy as np
-
-    classes = sorted({c for c, f, *_ in rows if c != "memory" and f})
-    columns = ["overhead", *classes, "memory"]
-    a = np.zeros((len(rows), len(columns)))
-    b = np.zeros(len(rows))
-    for i, (cls, flops, nbytes, seconds, calls) in enumerate(rows):
-        weight = calls**0.5
-        a[i, 0] = weight
-        if cls != "memory" and flops:
-            a[i, columns.index(cls)] = flops * weight
-        else:
-            a[i, -1] = nbytes * weight
-        b[i] = seconds * weight
-    solution = _nonnegative_least_squares(a, b)
-    inverse = dict(zip(columns, solution))
-    rate = lambda x: 1 / x if x > 0 else float("inf")  # noqa: E731
-    predicted = a @ solution / np.maximum(a[:, 0], 1e-30)
-    measured = b / np.maximum(a[:, 0], 1e-30)
-    calls = np.array([r[4] for r in rows])
-    return {
-        "flops": {c: rate(inverse[c]) for c in classes},
-        "memory_bytes_per_s": rate(inverse["memory"]),
-        "op_overhead_s": float(inverse["overhead"]),
-        "fit": {
-            "operators": len(rows),
-            "step_seconds_measured": float((measured * calls).sum()),
-            "step_seconds_fitted": float((predicted * calls).sum()),
-        },
-    }
 
 
 def _eager_steps() -> list[tuple[Any, Any]]:
@@ -275,47 +228,16 @@ def beyond_operators(step: Any, ops: Any) -> tuple[float, int]:
     return measured - alone, sum(op.calls for op in ops.values() if pays_call_cost(op))
 
 
-def split_overhead(measured: list[tuple[float, int]]) -> dict[str, float]:
-    """{"step_overhead_s", "op_overhead_s"} from steps' (seconds beyond their operators, kernel calls): a cost once
-    a step (the optimizer's Python, autograd's start) plus one a kernel call (its module, its autograd node), the
-    non-negative least squares over steps of different sizes."""
-    import numpy as np
-
-    a = np.array([[1.0, kernels] for _, kernels in measured])
-    once, per_call = _nonnegative_least_squares(a, np.array([seconds for seconds, _ in measured]))
-    return {"step_overhead_s": float(once), "op_overhead_s": float(per_call)}
-
-
-def wrapped_overheads(steps: list[tuple[float, int, Any, tuple[float, int]]], op_overhead_s: float) -> dict[str, float]:
-    """{"dtensor_overhead_s", "unit_overhead_s"} from wrapped steps ((seconds beyond their operators, their kernel
-    calls, their count, and the same two of their own model's eager step) each: `_wrapped_steps`,
-    `beyond_operators`), each less its own model's eager step and `op_overhead_s` a kernel call it adds: TP's per
-    DTensor call, FSDP's per unit less its few DTensor calls' (the optimizer's on sharded parameters). Summed before
-    dividing, so a step of many calls weighs by its calls, not as much as one of few."""
-    extra = [
-        (seconds - eager_seconds - (kernels - eager_kernels) * op_overhead_s, count)
-        for seconds, kernels, count, (eager_seconds, eager_kernels) in steps
-    ]
-    calls = lambda count: sum(count.dtensor_calls.values())  # noqa: E731
-    tp = [(seconds, count) for seconds, count in extra if not count.fsdp_units]
-    dtensor = max(0.0, sum(seconds for seconds, _ in tp) / sum(calls(count) for _, count in tp))
-    fsdp = [(seconds, count) for seconds, count in extra if count.fsdp_units]
-    unit = sum(max(0.0, seconds - calls(count) * dtensor) for seconds, count in fsdp)
-    return {"dtensor_overhead_s": dtensor, "unit_overhead_s": unit / sum(count.fsdp_units for _, count in fsdp)}
-
-
 def processes_at(threads: int) -> int:
     """How many processes a run gives `threads` threads each (common/distributed.py: cores / local processes)."""
     return max(1, CORES // threads)
 
 
 def _measure(threads: Sequence[int], quick: bool, together: Any, results: Any, index: int) -> None:
-    """In one of the processes that together load the cores as the runners do: count the steps' operators (and those
-    of the eager steps), then time each operator at every thread count in turn, in as many processes at once as
-    runners with that many threads a process start (`index` below cores / threads: the others wait), so the tables
-    of the thread counts are timed side by side, not minutes apart while the machine's speed drifts; then fit each
-    table and time the eager steps at each thread count for the overheads. The result goes to `results` as (index,
-    {threads: fit}) from every process that timed at a thread count."""
+    """In one of the processes that together load the cores as the runners do: count the steps' operators, then time
+    each at every thread count in turn (side by side, not minutes apart) in as many processes at once as runners with
+    that many threads a process start (`index` below cores / threads: the others wait); fit each table, time the
+    eager steps for the overheads, and put (index, {threads: fit}) in `results`."""
     import torch
 
     from planner.timing import op_class, operator_key
@@ -361,10 +283,9 @@ def _measure(threads: Sequence[int], quick: bool, together: Any, results: Any, i
 
 
 def measure_compute(threads: Sequence[int], *, quick: bool = False) -> dict[int, dict[str, Any]]:
-    """{threads: the fit} over the steps' operators, timed at each thread count in as many processes at once as the
-    runners start with that many threads each (cores / threads): processes that share the machine share its memory
-    bandwidth and caches, so one process alone would time them faster than a run goes. Forked before this process
-    has run autograd or OpenMP (neither survives a fork); each counts the operators itself."""
+    """{threads: the fit} over the steps' operators, timed in as many processes at once as the runners start (they
+    share memory bandwidth and caches: one process alone would time them faster than a run goes). Forked before this
+    process has run autograd or OpenMP (neither survives a fork)."""
     import multiprocessing
 
     context = multiprocessing.get_context("fork")
@@ -399,22 +320,18 @@ def measure_compute(threads: Sequence[int], *, quick: bool = False) -> dict[int,
     return found
 
 
-def measure_collectives(group_sizes: Sequence[int], out: Path, *, quick: bool) -> dict[int, dict[str, Any]]:
-    """bench.collectives' report at each group size (its rows, and an all-reduce after compute), launched as a user
+def measure_collectives(n: int, out: Path, *, quick: bool) -> dict[str, Any]:
+    """bench.collectives' report on `n` processes (its rows, and an all-reduce after compute), launched as a user
     would (torchrun), on the CPU even where there are GPUs: the profile is of this machine's cores and their gloo."""
-    found = {}
-    for n in group_sizes:
-        folder = out / f"collectives-{n}"
-        flags = ["--min-bytes", "1K", "--max-bytes", "1M" if quick else "64M", "--after-compute"]
-        command = [*torchrun(n), "-m", "bench.collectives", "--out", str(folder), "--ops", ",".join(OPS), *flags]
-        cpu_only = launch_env(n, CUDA_VISIBLE_DEVICES="")  # setup_distributed then picks gloo on the CPU
-        subprocess.run(command, cwd=ROOT, env=cpu_only, check=True, stdout=subprocess.DEVNULL)
-        found[n] = json.loads((folder / "collectives.json").read_text())
-    return found
+    flags = ["--min-bytes", "1K", "--max-bytes", "1M" if quick else "64M", "--after-compute", "--ops", ",".join(OPS)]
+    command = [*torchrun(n), "-m", "bench.collectives", "--out", str(out / f"collectives-{n}"), *flags]
+    cpu_only = launch_env(n, CUDA_VISIBLE_DEVICES="")  # setup_distributed then picks gloo on the CPU
+    subprocess.run(command, cwd=ROOT, env=cpu_only, check=True, stdout=subprocess.DEVNULL)
+    return json.loads((out / f"collectives-{n}" / "collectives.json").read_text())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = Parser(prog="python -m bench.machine", description=__doc__.split("\n\n")[0])
+    parser = Parser("python -m bench.machine", __doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/machine", help="folder for profile.json")
     parser.add_argument("--procs", default="1,2,4", help="the process counts the runs will use (threads, groups)")
     parser.add_argument("--quick", action="store_true", help="BabyCNN's operators, collectives to 1 MiB: a smoke test")
@@ -428,32 +345,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     threads = sorted({max(1, CORES // n) for n in procs})
     compute = measure_compute(threads, quick=args.quick)
-    side = 1024 if args.quick else 2048
-    peak = {  # all cores' dense matmul peak by dtype: what MFU is against
-        dtype: 1e9 * matmul_peak_gflops(dtype, CORES, n=side, repeats=3) for dtype in ("fp32", "bf16")
-    }
-    collectives = measure_collectives([n for n in procs if n > 1], out, quick=args.quick)
-    profile = {
-        "name": f"{cpu_name()}, {CORES} cores (measured {date.today()})",
-        "kind": "cpu",
-        "cores": CORES,
-        "peak_flops": peak,
-        "compute": {str(t): c for t, c in compute.items()},
-        "collectives": {str(n): report["results"] for n, report in collectives.items()},
-        "collective_after_compute_s": {str(n): report["after_compute"]["curve"] for n, report in collectives.items()},
-        "overlap": False,
-        "sources": {
-            "compute": "python -m bench.machine: the suite's models' operators, timed here (bench/machine.py)",
-            "collectives": "python -m bench.collectives at each group size, 1 KiB to 64 MiB",
-            "collective_after_compute_s": "python -m bench.collectives --after-compute: 512 KiB after 1 to 24 ms of "
-            "compute, [compute s, extra s]",
-            "peak_flops": "a 2048^3 matmul on all cores, fp32 and bf16 (bench/benchmark.py)",
-            "overlap": "gloo reduces on the cores that compute: nothing hides (docs/scale.md, Time)",
-        },
-        "measured": {
-            "command": " ".join(["python -m bench.machine", *(argv or sys.argv[1:])]),
-            "torch": torch.__version__,
-        },
+    side = 1024 if args.quick else 2048  # all cores' dense matmul peak by dtype: what MFU is against
+    peak = {dtype: 1e9 * matmul_peak_gflops(dtype, CORES, n=side, repeats=3) for dtype in ("fp32", "bf16")}
+    collectives = {n: measure_collectives(n, out, quick=args.quick) for n in procs if n > 1}
+    profile = {"name": f"{cpu_name()}, {CORES} cores (measured {date.today()})", "kind": "cpu", "cores": CORES}
+    profile |= {"peak_flops": peak, "compute": {str(t): c for t, c in compute.items()}}
+    profile["collectives"] = {str(n): report["results"] for n, report in collectives.items()}
+    profile["collective_after_compute_s"] = {str(n): r["after_compute"]["curve"] for n, r in collectives.items()}
+    profile |= {"overlap": False, "sources": SOURCES}
+    profile["measured"] = {
+        "command": " ".join(["python -m bench.machine", *(argv or sys.argv[1:])]),
+        "torch": torch.__version__,
     }
     path = out / "profile.json"
     path.write_text(json.dumps(profile, indent=1))

@@ -6,14 +6,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
-from bench.launches import CORES, torchrun
+from bench.launches import torchrun
 from common.config import SCHEDULES, SHARDINGS
 from common.pipeline_layout import SINGLE_STAGE_SCHEDULES
 
 
 @dataclass(frozen=True)
 class Settings:  # what every launch of one benchmark shares
-    batch_size: int  # the global batch, unless a run sets its own
+    batch_size: int  # the global batch
     warmup: int  # steps before the timed ones
     timed: int  # the steps that samples/s and the step times are taken over
     test_size: int  # the short runs' test set (evaluated after training)
@@ -30,25 +30,16 @@ class RunSpec:
     launcher: str = "torchrun"  # python (1 process), torchrun, run_ddp.sh
     full: bool = False  # the default-length run: its test accuracy counts
     scaling: bool = False  # a run the acceptance compares: launched --repeats times, in rounds
-    batch_size: int = 0  # this run's global batch; 0: the benchmark's
-    threads: int = 0  # --threads; 0: the scripts' default (cores / local processes)
-
-    def global_batch(self, s: Settings) -> int:
-        return self.batch_size or s.batch_size
 
     def flags(self, s: Settings) -> list[str]:
         """Every flag of the launch but --out."""
         own = [*self.args, *(["--precision", self.precision] if self.precision != "fp32" else [])]
-        own += ["--threads", str(self.threads)] if self.threads else []
-        batch = ["--batch-size", str(self.global_batch(s))]
+        own += ["--batch-size", str(s.batch_size)]
         if self.full:
-            return [*own, *batch]
+            return own
         # the default data set (train_size 0): its size changes the allocator's history, and so the step time
-        data = ["--train-size", str(s.train_size)] if s.train_size else []
-        steps = ["--max-steps", str(s.warmup + s.timed)]
-        if self.strategy == "baseline":
-            return [*own, *steps, *batch, *data]
-        return [*own, *steps, *batch, "--log-every", "100000", "--test-size", str(s.test_size), *data]
+        own += ["--max-steps", str(s.warmup + s.timed), *(["--train-size", str(s.train_size)] if s.train_size else [])]
+        return own if self.strategy == "baseline" else [*own, "--log-every", "100000", "--test-size", str(s.test_size)]
 
     def command(self, s: Settings, out: Path) -> list[str]:
         args = [*self.flags(s), "--out", str(out)]
@@ -65,18 +56,12 @@ def schedule_flags(schedule: str, *, pipeline_ranks: int) -> list[str]:
     if schedule in SINGLE_STAGE_SCHEDULES:
         return ["--schedule", schedule]
     flags = ["--schedule", schedule, "--stages-per-rank", "2"]
-    if schedule == "dualpipev":
-        flags += ["--n-microbatches", str(2 * pipeline_ranks)]
-    return flags
+    return flags + (["--n-microbatches", str(2 * pipeline_ranks)] if schedule == "dualpipev" else [])
 
 
 def quick_plan() -> list[RunSpec]:
     """The smoke test's launches."""
-    return [
-        RunSpec("ddp", "ddp", 1, launcher="python"),
-        RunSpec("baseline", "baseline", 2),
-        RunSpec("ddp", "ddp", 2),
-    ]
+    return [RunSpec("ddp", "ddp", 1, launcher="python"), RunSpec("baseline", "baseline", 2), RunSpec("ddp", "ddp", 2)]
 
 
 def _scaling_runs(p: int, *, largest: int, bf16: bool) -> list[RunSpec]:
@@ -84,10 +69,7 @@ def _scaling_runs(p: int, *, largest: int, bf16: bool) -> list[RunSpec]:
     launcher = "python" if p == 1 else "torchrun"
     # at the largest count, as a user starts it (bash run_ddp.sh): its launch time is an acceptance line
     ddp_launcher = "run_ddp.sh" if p == largest and p > 1 else launcher
-    runs = [
-        RunSpec("baseline", "baseline", p, launcher=launcher),
-        RunSpec("ddp", "ddp", p, launcher=ddp_launcher),
-    ]
+    runs = [RunSpec("baseline", "baseline", p, launcher=launcher), RunSpec("ddp", "ddp", p, launcher=ddp_launcher)]
     if bf16 and p == 1:  # right after its fp32 twin: the bf16 speed-up is a ratio of neighbours
         runs.append(RunSpec("ddp", "ddp", 1, precision="bf16", launcher="python"))
     runs.append(RunSpec("fsdp full", "fsdp", p, ["--sharding", "full"], launcher=launcher))
@@ -101,21 +83,12 @@ def _scaling_runs(p: int, *, largest: int, bf16: bool) -> list[RunSpec]:
 
 
 def default_plan(
-    procs: Sequence[int],
-    *,
-    modes_procs: int,
-    full_runs: bool,
-    bf16: bool,
-    more_bf16: bool = False,
-    batch_size: int = 128,
+    procs: Sequence[int], *, modes_procs: int, full_runs: bool, bf16: bool, more_bf16: bool = False
 ) -> list[RunSpec]:
     """The benchmark's runs: the scaling runs at every count in `procs`, every other FSDP mode and pipeline
-    schedule on `modes_procs` processes, and what one rank of the largest DDP run does, alone."""
+    schedule on `modes_procs` processes, and the default run in bf16."""
     n, m = max(procs), modes_procs
     plan = [spec for p in procs for spec in _scaling_runs(p, largest=n, bf16=bf16)]
-    if n > 1:  # what one rank of the largest DDP run does, alone: its share of the batch, on its threads there
-        share = dict(batch_size=batch_size // n, threads=max(1, CORES // n))
-        plan.append(RunSpec(f"ddp, one rank's share of {n} processes", "ddp", 1, launcher="python", **share))
     for sharding in SHARDINGS[1:]:
         if sharding != "hybrid" or m % 2 == 0:
             plan.append(RunSpec(f"fsdp {sharding}", "fsdp", m, ["--sharding", sharding]))
@@ -128,6 +101,4 @@ def default_plan(
     if bf16 and more_bf16:
         plan.append(RunSpec("fsdp full", "fsdp", n, ["--sharding", "full"], precision="bf16"))
         plan.append(RunSpec("pipeline 1f1b", "pippy", n, schedule_flags("1f1b", pipeline_ranks=n), precision="bf16"))
-    if n > CORES:  # every rank with a thread per core: what oversubscribing the cores costs
-        plan.append(RunSpec(f"ddp, {CORES} threads/rank", "ddp", n, threads=CORES))
     return plan

@@ -4,7 +4,7 @@ and bench.md, one function per part ([] when the report lacks it); docs/performa
 from typing import Any, Iterable, Sequence
 
 RUN_COLUMNS = ["run", "precision", "procs", "samples/s", "× baseline", "step ms: median (p10–p90)"]
-RUN_COLUMNS += ["launch → 1st step s", "tensors/rank MiB", "peak RSS/rank MiB", "GFLOP/s", "% of peak", "test acc"]
+RUN_COLUMNS += ["launch → 1st step s", "tensors/rank MB", "peak RSS/rank MB", "GFLOP/s", "% of peak", "test acc"]
 
 
 def md_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
@@ -42,8 +42,8 @@ def _round_ratios(row: dict[str, Any], other: dict[str, Any]) -> list[float]:
 
 
 def annotate(rows: list[dict], *, flops_per_sample: float, peaks: dict[str, float]) -> None:
-    """Add achieved GFLOP/s, its fraction of the machine's peak, and the ratio to the baseline (for runs at the
-    benchmark's global batch) and of bf16 to its fp32 twin, each also round by round."""
+    """Add achieved GFLOP/s, its fraction of the machine's peak, and the ratio to the baseline and of bf16 to its
+    fp32 twin, each also round by round."""
     baseline = _baselines(rows)
     fp32_twin = {(r["name"], r["nproc"], r["launcher"]): r for r in rows if r["precision"] == "fp32"}
     for row in (row for row in rows if row.get("samples_per_s")):
@@ -51,7 +51,7 @@ def annotate(rows: list[dict], *, flops_per_sample: float, peaks: dict[str, floa
         peak = peaks.get(row["precision"])
         row["peak_fraction"] = row["model_gflops"] / peak if peak else None
         rival = baseline.get(row["nproc"])
-        if rival and not row.get("batch_size"):  # a run with its own batch is no rival
+        if rival:
             row["vs_baseline"] = row["samples_per_s"] / rival["samples_per_s"]
             ratios = _round_ratios(row, rival)
             if len(ratios) > 1 and row["strategy"] != "baseline":
@@ -66,8 +66,7 @@ def scaling_table(rows: list[dict]) -> dict[str, dict[str, float]]:
     """Run name -> process count -> fp32 samples/s of the runs at the benchmark's settings on several counts."""
     table: dict[str, dict[str, float]] = {}
     for r in rows:
-        own_settings = r.get("batch_size") or r.get("threads")
-        if r.get("ok") and r["precision"] == "fp32" and r.get("samples_per_s") and not own_settings:
+        if r.get("ok") and r["precision"] == "fp32" and r.get("samples_per_s"):
             table.setdefault(r["name"], {})[str(r["nproc"])] = r["samples_per_s"]
     return {k: v for k, v in table.items() if len(v) > 1}
 
@@ -100,7 +99,7 @@ def _header(report: dict[str, Any]) -> list[str]:
 
 
 def _runs(report: dict[str, Any]) -> list[str]:
-    mib = lambda values: fmt(max((v for v in values or [] if v), default=None), ".0f", 2**-20)
+    mb = lambda values: fmt(max((v for v in values or [] if v), default=None), ".0f", 1e-6)  # the rank's with most
     rows = []
     for r in report["runs"]:
         if not r.get("ok"):
@@ -113,7 +112,7 @@ def _runs(report: dict[str, Any]) -> list[str]:
         step_ms = f"{1e3 * st['median']:.1f} ({1e3 * st['p10']:.0f}–{1e3 * st['p90']:.0f})" if st else "-"
         first = fmt(g("launch_to_first_step_s"), ".1f")
         rows.append([r["name"] + runner, r["precision"], r["nproc"], fmt(g("samples_per_s"), ".0f") + launches])
-        rows[-1] += [ratio, step_ms, first, mib(g("tensor_bytes_per_rank")), mib(g("peak_rss_bytes"))]
+        rows[-1] += [ratio, step_ms, first, mb(g("tensor_bytes_per_rank")), mb(g("peak_rss_bytes"))]
         rows[-1] += [fmt(g("model_gflops"), ".1f"), fmt(g("peak_fraction") or None, ".1f", 100)]
         rows[-1] += [fmt(g("test_accuracy"), ".2f", 100)]
     return _section(md_table(RUN_COLUMNS, rows)) if rows else []

@@ -15,15 +15,15 @@ Writes scale.json, scale.md and scale.png (memory and speed against the paramete
 
 from __future__ import annotations
 
+import itertools
 import json
-import shutil
 import statistics
 import sys
 from datetime import date
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from bench.launches import CORES, Parser, cpu_name, failure, launch, numbers, read_run_json, records, timing_stats
+from bench.launches import CORES, Parser, cpu_name, launch_and_read, numbers
 from bench.report import fmt, md_table
 from runner.entry import fail
 
@@ -33,10 +33,11 @@ STRATEGIES = {  # name -> (runner, flags); "sp": --sequence-parallel, the ViT's 
     "fsdp-grad-op": ("fsdp", ["--sharding", "grad-op", "--shard-units", "blocks"]),
     "pipeline": ("pippy", []),  # 1F1B, 4 micro-batches
     "tp": ("tp", []),
+    "fsdp-x-tp": ("tp", ["--dp", "2"]),  # (the first six: the default)
     "tp-sp": ("tp", ["--sequence-parallel"]),
-    "fsdp-x-tp": ("tp", ["--dp", "2"]),
     "fsdp-x-tp-sp": ("tp", ["--dp", "2", "--sequence-parallel"]),
 }
+SIZES = ("baby", "small", "medium", "large")  # BabyCNN's, by default: what scale costs
 WARMUP, TIMEOUT_S = 3, 3600  # steps not timed; per launch (`large` trains at a few samples per second)
 
 
@@ -83,24 +84,19 @@ def plan_one(model: str, size: str, strategy: str, nproc: int, *, steps: int, pr
 
 def launch_one(row: dict[str, Any], *, out: Path, steps: int) -> None:
     """One launch of `row`'s run, as a user does: its median step's samples/s joins row["rounds"]."""
-    from tools.compare import state_bytes_per_rank
-
     model, size = row["model"].split()
     folder = out / f"{model}-{size}-{row['strategy']}-{row['nproc']}"
-    shutil.rmtree(folder, ignore_errors=True)  # a previous launch's: the runner would move it aside
-    runner = STRATEGIES[row["strategy"]][0]
-    command = ["bash", f"run_{runner}.sh", *flags_for(model, size, row["strategy"], steps), "--out", str(folder)]
-    ended = launch(command, out=folder, nproc=row["nproc"], timeout_s=TIMEOUT_S)
-    row["stolen"].append(ended["stolen_share"])  # the hypervisor's share of the cores' time, per launch
-    if ended["returncode"] != 0:
-        row["failed"] = failure(folder, ended["returncode"])
+    command = ["bash", f"run_{STRATEGIES[row['strategy']][0]}.sh", *flags_for(model, size, row["strategy"], steps)]
+    ran = launch_and_read([*command, "--out", str(folder)], out=folder, nproc=row["nproc"], timeout_s=TIMEOUT_S,
+                          warmup=WARMUP, timed=None, batch_size=row["batch_size"])  # fmt: skip
+    row["stolen"].append(ran["stolen_share"])  # the hypervisor's share of the cores' time, per launch
+    if "error" in ran:
+        row["failed"] = ran["error"]
         return
-    stats = timing_stats(records(folder), warmup=WARMUP, timed=None, batch_size=row["batch_size"])
     # the median step: a step that another process's burst slowed is the machine's, not the model's
-    row["rounds"].append(row["batch_size"] / stats["step_time_s"]["median"])
-    info = read_run_json(folder)
-    row["measured_peak_bytes"] = max(m["peak_bytes"] for m in info["memory"]["per_rank"])
-    row["measured_state_bytes"] = max(state_bytes_per_rank(info))
+    row["rounds"].append(row["batch_size"] / ran["step_time_s"]["median"])
+    row["measured_peak_bytes"] = max(filter(None, ran["peak_bytes_per_rank"]), default=None)  # (--measure-peak's)
+    row["measured_state_bytes"] = max(ran["tensor_bytes_per_rank"])
     row["samples_per_s"] = statistics.median(row["rounds"])  # (so far: the median over the rounds)
     if "predicted" in row:
         row["error"] = row["predicted"]["samples_per_s"] / row["samples_per_s"] - 1
@@ -153,13 +149,9 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = Parser(prog="python -m bench.scale", description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--models", default="cnn:baby,cnn:small,cnn:medium,cnn:large", help="model:size, comma-separated"
-    )
-    parser.add_argument(
-        "--strategies", default="ddp,fsdp,fsdp-grad-op,pipeline,tp,fsdp-x-tp", help=",".join(STRATEGIES)
-    )
+    parser = Parser("python -m bench.scale", __doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(f"cnn:{size}" for size in SIZES), help="model:size, ...")
+    parser.add_argument("--strategies", default=",".join(list(STRATEGIES)[:6]), help=",".join(STRATEGIES))
     parser.add_argument("--procs", default="4", help="process counts, comma-separated")
     parser.add_argument("--steps", type=int, default=6, help=f"steps per run (the first {WARMUP} not timed)")
     parser.add_argument("--rounds", type=int, default=1, help="launches of each run, interleaved; the median counts")
@@ -189,9 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for (model, size), strategy, nproc in (
-        (m, s, n) for m in models for s in args.strategies.split(",") for n in procs
-    ):
+    for (model, size), strategy, nproc in itertools.product(models, args.strategies.split(","), procs):
         print(f"[scale] planning {model} {size} {strategy} on {nproc}", flush=True)
         rows.append(plan_one(model, size, strategy, nproc, steps=args.steps, profile=profile))
     for round_ in range(args.rounds):  # every run once a round

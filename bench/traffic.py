@@ -9,13 +9,13 @@ Per rank and kind of collective: planner/predict.py's prediction, the profiler's
 the time bench.collectives measured for messages of that size beside the time the backend's spans took per step.
 """
 
-import argparse
 import json
 import os
-import sys
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
+from bench.launches import Parser
 from bench.report import md_table
 from common.config import Config
 from planner.predict import traffic
@@ -40,10 +40,8 @@ def rows(run: dict, results: list[dict] | None) -> list[dict]:
             row = {"rank": rank, "collective": kind, "predicted elements": entry["elements"]}
             row |= {"counted elements": count.get("elements"), "MB sent": entry["bytes_sent"] / 1e6}
             row |= {"MB received": entry["bytes_received"] / 1e6, "calls": count.get("calls")}
-            if results and count.get("calls") and kind in BACKEND_SPANS:  # each call moves bytes / calls
-                row["benchmark ms"] = (
-                    1e3 * count["calls"] * predict_time_s(results, kind, entry["bytes"] / count["calls"])
-                )
+            if results and (calls := count.get("calls")) and kind in BACKEND_SPANS:  # each call moves bytes / calls
+                row["benchmark ms"] = 1e3 * calls * predict_time_s(results, kind, entry["bytes"] / calls)
             out.append(row)
         if "comm_s" in seen:  # the union of this rank's collective spans, per step (all kinds together)
             out.append({"rank": rank, "collective": "all (measured)", "measured ms": 1e3 * seen["comm_s"] / steps})
@@ -51,11 +49,12 @@ def rows(run: dict, results: list[dict] | None) -> list[dict]:
 
 
 def _read(path: str, hint: str) -> Any:
+    from runner.entry import fail
+
     try:
-        with open(path) as f:
-            return json.load(f)
+        return json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
-        sys.exit(f"error: cannot read {path} ({e}); {hint}")
+        fail(f"cannot read {path} ({e}); {hint}")
 
 
 def _cell(value: object) -> str:
@@ -65,10 +64,10 @@ def _cell(value: object) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.traffic", description=__doc__.split("\n")[0])
+    parser = Parser("python -m bench.traffic", __doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", help="run folders with run.json (profiled with --profile-steps for counts)")
     parser.add_argument("--collectives", help="collectives.json of python -m bench.collectives, for the times")
-    args = parser.parse_args(argv)
+    args = parser.parse(argv)
     results = args.collectives and _read(args.collectives, "run python -m bench.collectives").get("results")
     for path in args.runs:
         run = _read(os.path.join(path, "run.json"), "is this a finished run folder?")

@@ -323,7 +323,7 @@ def test_ranks_that_share_the_cores_share_them_only_while_busy():
 
 
 def test_the_fit_recovers_the_rates_it_was_made_from():
-    from bench.machine import fit
+    from bench.fits import fit
 
     # operators timed as 20 us + FLOPs / 50 GFLOP/s (matmuls) or + bytes / 10 GB/s (the rest)
     rows = [("matmul", f, 0, 20e-6 + f / 50e9, 1) for f in (10**6, 10**7, 10**8)]
@@ -359,7 +359,7 @@ def test_dtensor_calls_and_fsdp_units_cost_their_python_besides_their_operators(
 
 
 def test_the_profile_splits_what_steps_cost_beyond_their_operators_into_each_step_s_each_call_s_and_dtensor_s():
-    from bench.machine import split_overhead, wrapped_overheads
+    from bench.fits import split_overhead, wrapped_overheads
 
     # plain eager steps of 40, 250 and 400 kernel calls, 4 ms once and 30 us a call beyond their operators
     eager = split_overhead([(4e-3 + k * 30e-6, k) for k in (40, 250, 400)])
