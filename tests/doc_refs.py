@@ -11,6 +11,7 @@
   anywhere in the repository; `:12` line suffixes are dropped. Not checked: outputs (`runs/...`, a bare `run.json`,
   `metrics.jsonl`, `model.pt`, `*.png`), absolute paths, and paths with a placeholder (`<`, `*`, `{`, `...`, `YYYY`).
 * A relative link or image resolves to a file; its `#anchor` is a heading of the target page (GitHub's slugs).
+* In a ```python block, each `import` / `from ... import` of the suite's modules resolves (the block is not run).
 """
 
 from __future__ import annotations
@@ -161,11 +162,34 @@ def check_links(page: Page) -> list[tuple[int, str]]:
     return problems
 
 
+def check_imports(page: Page) -> list[tuple[int, str]]:
+    """(line, problem) for each import of the suite's modules in a ```python block that does not resolve."""
+    problems = []
+    for fence in page.fences:
+        if fence.info not in ("python", "py"):
+            continue
+        try:
+            tree = ast.parse("\n".join(fence.lines))
+        except SyntaxError:  # an excerpt with `...` in it: nothing to resolve
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                dotted = [f"{node.module}.{a.name}" for a in node.names if a.name != "*"]
+            elif isinstance(node, ast.Import):
+                dotted = [a.name for a in node.names]
+            else:
+                continue
+            for name in dotted:
+                if name.split(".")[0] in _packages() and (problem := _resolve(name)) is not None:
+                    problems.append((fence.line + node.lineno - 1, f"import {name}: {problem}"))
+    return problems
+
+
 def check_page_refs(page: Page) -> list[tuple[int, str]]:
-    """(line, problem) for every symbol, path and link of the page that does not resolve."""
+    """(line, problem) for every symbol, path, link and import of the page that does not resolve."""
     problems = []
     for span in page.spans:
         for check in (check_symbol, check_path):
             if (problem := check(span.text)) is not None:
                 problems.append((span.line, f"`{span.text}`: {problem}"))
-    return problems + check_links(page)
+    return problems + check_links(page) + check_imports(page)

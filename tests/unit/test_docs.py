@@ -49,13 +49,15 @@ def test_commands_parse(page: str) -> None:
     if _mentions_commands(page):
         assert any(o.status in ("ok", "failed", "name") for o in checked), f"{page}: shows commands, none checked"
     failed = [o.line() for o in checked if o.status == "failed"]
-    assert not failed, f"{page}: {summary(list(checked))}\n" + "\n".join(failed)
+    if failed:
+        pytest.fail(f"{page}: {summary(list(checked))}\n" + "\n".join(failed), pytrace=False)
 
 
 @pytest.mark.parametrize("page", PAGES, ids=PAGES)
 def test_names_paths_and_links_resolve(page: str) -> None:
     problems = [f"{page}:{line}: {problem}" for line, problem in check_page_refs(read_page(page))]
-    assert not problems, "\n".join(problems)
+    if problems:
+        pytest.fail("\n".join(problems), pytrace=False)
 
 
 def test_the_pages_hold_enough_commands_to_check() -> None:
@@ -180,3 +182,13 @@ def test_links_and_githubs_anchors() -> None:
         (7, "link gone.md: no docs/gone.md"),
     ]
     assert (ROOT / "docs" / "tp.md").exists()  # (the link [c] above resolves to a real page)
+
+
+def test_imports_in_python_blocks() -> None:
+    from tests.doc_refs import check_imports
+
+    text = "```python\nfrom train_ddp import apply_ddp\nfrom common.checkpoint import load_checkpoint\n"
+    text += "import torch\n```\n"
+    assert check_imports(read_page("docs/example.md", text)) == [
+        (3, "import common.checkpoint.load_checkpoint: common.checkpoint has no load_checkpoint")
+    ]
