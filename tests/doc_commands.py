@@ -9,7 +9,7 @@ trailing `# comments`, `&&`, `;`, `|` and `for X in ...; do ...; done` are read 
 
 How each is parsed, by its own code, stopping before anything that would run, touch a file or need hardware:
 * `train_*.py` (also under torchrun): the script runs until `common.cli.parse_config` returns, so every flag and
-  `Config.check`'s value checks apply (nothing there reads a file); world-size checks belong to the workers.
+  `Config.check`'s value checks apply (nothing there reads a file), under torchrun with its world size.
 * `bash run_*.sh`: the real script runs with PYTHON pointing at a stub that records what it is asked to run (so
   launch.sh's NPROC/NNODES/NODE_RANK checks, run_pippy.sh's and run_all.sh's own refusals apply; a PYTHON= of the
   page is overridden); each recorded `python -m runner.preflight ...` is then run in-process until it has parsed
@@ -286,7 +286,7 @@ def _patched(target: object, name: str, value: object) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _parse_only(argv0: str, args: list[str], env: dict[str, str]) -> Iterator[None]:
+def _parse_only(argv0: str, args: list[str], env: dict[str, str], world_size: int | None) -> Iterator[None]:
     """argparse stops after parsing, nothing can start a process, os._exit raises, sys.argv and the env as given."""
     import common.cli
 
@@ -295,6 +295,8 @@ def _parse_only(argv0: str, args: list[str], env: dict[str, str]) -> Iterator[No
     def parse_config_then_stop(*a: object, **k: object) -> None:
         _LET_PARSE[0] = True
         try:
+            if world_size is not None:  # under torchrun: the checks the workers make for their world size
+                k.setdefault("world_size", world_size)
             real_parse_config(*a, **k)  # type: ignore[arg-type]
         finally:
             _LET_PARSE[0] = False
@@ -347,14 +349,17 @@ def _imports_of(path: Path) -> list[str]:
     return [name for name in found if _ours(name)]
 
 
-def _run_parse(argv0: str, args: list[str], env: dict[str, str], call: Callable[[], None]) -> str | None:
+def _run_parse(
+    argv0: str, args: list[str], env: dict[str, str], call: Callable[[], None], world_size: int | None = None
+) -> str | None:
     """None when `call` parsed `args` and stopped, else the one line that says what was wrong."""
     from common.errors import UserError
 
     err, out = io.StringIO(), io.StringIO()
     try:
-        with _parse_only(argv0, args, env), contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-            call()
+        with _parse_only(argv0, args, env, world_size):
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+                call()
     except _Parsed:
         return None
     except _Escaped:
@@ -419,8 +424,11 @@ def _escaped_parsed() -> None:
 
 
 @functools.cache
-def check_python(words: tuple[str, ...], env: tuple[tuple[str, str], ...]) -> tuple[str, str]:
-    """(status, message) for `python <words>`: words[0] is `-m` with a module, or a script."""
+def check_python(
+    words: tuple[str, ...], env: tuple[tuple[str, str], ...], world_size: int | None = None
+) -> tuple[str, str]:
+    """(status, message) for `python <words>`: words[0] is `-m` with a module, or a script; `world_size`: the one
+    torchrun gives it, for the training scripts' checks that depend on it."""
     if words[0] == "-c":
         return "skipped", "python -c: code, not a command line"
     if words[0] == "-m":
@@ -443,7 +451,7 @@ def check_python(words: tuple[str, ...], env: tuple[tuple[str, str], ...]) -> tu
             return "skipped", f"{entry.relative_to(ROOT)} has no argument parser to stop at: it would run"
         else:
             call = lambda: runpy.run_module(module, run_name="__main__", alter_sys=False)  # noqa: E731
-        problem = _run_parse(f"python -m {module}", args, dict(env), call)
+        problem = _run_parse(f"python -m {module}", args, dict(env), call, world_size)
         return ("failed", problem) if problem else ("ok", "")
     script, args = words[0], list(words[1:])
     path = ROOT / script
@@ -456,7 +464,7 @@ def check_python(words: tuple[str, ...], env: tuple[tuple[str, str], ...]) -> tu
     if problem := _warm_up(_imports_of(path)):
         return "failed", problem
     call = lambda: runpy.run_path(str(path), run_name="__main__")  # noqa: E731
-    problem = _run_parse(script, args, dict(env), call)
+    problem = _run_parse(script, args, dict(env), call, world_size)
     return ("failed", problem) if problem else ("ok", "")
 
 
@@ -472,7 +480,9 @@ def check_torchrun(words: tuple[str, ...], env: tuple[tuple[str, str], ...]) -> 
     except SystemExit:
         return "failed", f"torchrun: {_last_line(err.getvalue())}"
     target = [parsed.training_script, *parsed.training_script_args]
-    return check_python(tuple(["-m", *target] if parsed.module else target), env)
+    nproc, nnodes = str(parsed.nproc_per_node), str(parsed.nnodes).split(":")[-1]  # (an elastic MIN:MAX: its MAX)
+    world_size = int(nproc) * int(nnodes) if nproc.isdigit() and nnodes.isdigit() else None
+    return check_python(tuple(["-m", *target] if parsed.module else target), env, world_size)
 
 
 _STUB = """#!/bin/sh

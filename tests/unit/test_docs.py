@@ -134,11 +134,13 @@ def test_placeholders_alternatives_variables_and_loops() -> None:
 
 def test_torchrun_is_parsed_by_torchruns_parser_then_the_script_by_its_own() -> None:
     text = "```bash\ntorchrun --standalone --nproc-per-node 4 train_ddp.py --max-steps 3\n"
-    text += "torchrun --nproc-per-node 4 train_ddp.py --max-stepz 3\ntorchrun --nprocs 4 train_ddp.py\n```\n"
-    ok, script_flag, torchrun_flag = _one(text)
+    text += "torchrun --nproc-per-node 4 train_ddp.py --max-stepz 3\ntorchrun --nprocs 4 train_ddp.py\n"
+    text += "torchrun --nproc-per-node 3 train_ddp.py\n```\n"
+    ok, script_flag, torchrun_flag, world_size = _one(text)
     assert ok.status == "ok", ok.line()
     assert script_flag.status == "failed" and "--max-stepz" in script_flag.message
     assert torchrun_flag.status == "failed" and torchrun_flag.message.startswith("torchrun:")
+    assert world_size.status == "failed" and "over 3 processes" in world_size.message, world_size.line()
 
 
 def test_checking_a_command_writes_nothing(tmp_path) -> None:
