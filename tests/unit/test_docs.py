@@ -132,6 +132,17 @@ def test_placeholders_alternatives_variables_and_loops() -> None:
     }
 
 
+def test_suggested_commands_and_bash_c() -> None:
+    text = (
+        "```\n$ bash run_ddp.sh --checkpoint-every 10\ninterrupted (SIGINT) at step 13; continue with: bash run_ddp.sh "
+        "--checkpoint-every 10 --resumed\n```\n\n"
+        "`bash -c 'ulimit -d 1500000; NPROC=2 bash run_ddp.sh --model-size medium'`\n"
+    )
+    run, suggested, inner = _one(text)
+    assert run.status == "ok" and inner.status == "ok", (run.line(), inner.line())
+    assert (suggested.status, suggested.command.line) == ("failed", 3) and "--resumed" in suggested.message
+
+
 def test_torchrun_is_parsed_by_torchruns_parser_then_the_script_by_its_own() -> None:
     text = "```bash\ntorchrun --standalone --nproc-per-node 4 train_ddp.py --max-steps 3\n"
     text += "torchrun --nproc-per-node 4 train_ddp.py --max-stepz 3\ntorchrun --nprocs 4 train_ddp.py\n"
@@ -148,7 +159,7 @@ def test_checking_a_command_writes_nothing(tmp_path) -> None:
     out = tmp_path / "run"
     (out / "checkpoints").mkdir(parents=True)
     (out / "metrics.jsonl").write_text("{}\n")
-    (checked,) = _one(f"`bash run_ddp.sh --out {out} --dataset mnist --data-dir {tmp_path / 'data'}`")
+    (checked,) = _one(f"`bash run_ddp.sh --out {out} --resume --dataset mnist --data-dir {tmp_path / 'data'}`")
     assert checked.status == "ok", checked.line()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "metrics.jsonl"]
