@@ -21,9 +21,10 @@ How each is parsed, by its own code, stopping before anything that would run, to
 Bad input is SystemExit 2 or a UserError/ConfigError; a command that escapes (starts a process) fails too.
 
 Placeholders: `<a|b>` and `NAME=a|b` are checked once per alternative; `[--flag value]` is checked with its
-content, `[flags]` without it; a `...` word is dropped (`RUN...` reads RUN); `$NAME` takes the page's
-`NAME="..."`. Other placeholders (`<out>`, an ALL-CAPS word such as RUN or MODE, `n`) are passed as written: if
-the only complaint is about one of them, the command is skipped (it needs a real value), not failed. Inline code
+content, `[flags]` without it; a `...` word means "and more" and is dropped (`RUN...` reads RUN), except after a
+flag (`--profile ...`), where it is that flag's value; `$NAME` takes the page's `NAME="..."`. Other placeholders
+(`<out>`, an ALL-CAPS word such as RUN or MODE, `n`, that `...`) are passed as written: if the only complaint is
+about one of them, the command is skipped (it needs a real value), not failed. Inline code
 that is only a name (`python -m bench.essentials`, no flags, no env) is checked for existence, not parsed.
 
 A `$ ` command whose output shows `error: ...` is expected to fail with that line (`...` matches anything); if
