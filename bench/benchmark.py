@@ -11,10 +11,9 @@ docs/performance.md says what each phase measures and what each number in bench.
 
 import argparse
 import json
-import math
 import re
 import sys
-import time
+import timeit
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -30,27 +29,17 @@ def matmul_peak_gflops(dtype: str, threads: int, *, n: int, repeats: int) -> flo
 
     torch.set_num_threads(threads)
     a, b = (torch.randn(n, n).to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]) for _ in "ab")
-    for _ in range(2):
-        a @ b
-    best = math.inf
-    for _ in range(repeats):
-        started = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - started)
-    return 2 * n**3 / best / 1e9
+    a @ b, a @ b  # (warm-up)
+    return 2 * n**3 / min(timeit.repeat(lambda: a @ b, number=1, repeat=repeats)) / 1e9
 
 
 def machine_peaks(*, n: int, repeats: int) -> dict[str, dict[str, float]]:
     """The matmul peak in fp32 and bf16 on 1 and all cores; `peak_gflops`: on all, what a run's % of peak is of."""
-    threads = lambda t: f"{t} thread{'s' if t > 1 else ''}"  # noqa: E731
-    dtypes = ("fp32", "bf16")
-    by_threads = {
-        f"{d} {threads(t)}": matmul_peak_gflops(d, t, n=n, repeats=repeats) for d in dtypes for t in {1, CORES}
+    peaks = {
+        (d, t): matmul_peak_gflops(d, t, n=n, repeats=repeats) for d in ("fp32", "bf16") for t in sorted({1, CORES})
     }
-    return {
-        "peak_by_threads_gflops": by_threads,
-        "peak_gflops": {d: by_threads[f"{d} {threads(CORES)}"] for d in dtypes},
-    }
+    by_threads = {f"{d} {t} thread{'s' if t > 1 else ''}": peak for (d, t), peak in peaks.items()}
+    return {"peak_by_threads_gflops": by_threads, "peak_gflops": {d: p for (d, t), p in peaks.items() if t == CORES}}
 
 
 def model_flops(size: str = "baby", dataset: str = "digits") -> dict[str, Any]:

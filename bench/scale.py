@@ -10,7 +10,7 @@ memory (the step's peak and the state it holds, against --measure-peak and run.j
 
 A run the scripts would not start, or the memory wall refuses, is not launched. Every run is launched once a round
 (a slow spell hits all alike); its samples/s is its median step's after the first 3, the median over the rounds.
-Writes scale.json, scale.md and scale.png (memory and speed against the parameters) in --out (runs/scale).
+Writes scale.json and scale.md in --out (runs/scale).
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ def plan_one(model: str, size: str, strategy: str, nproc: int, *, steps: int, pr
     """A run's row with what the planner says of it, or why it is not launched ("skipped", "refused")."""
     from common.cli import parse_config
     from common.errors import ConfigError
-    from common.model_sizes import parameter_count
     from planner.measure import plan_rank
     from planner.plan import ranks_to_measure
     from planner.predict import total_bytes, traffic
@@ -70,7 +69,7 @@ def plan_one(model: str, size: str, strategy: str, nproc: int, *, steps: int, pr
     ranks = {rank: plan_rank(cfg, nproc, rank, count=bool(profile)) for rank in ranks_to_measure(cfg, nproc)}
     row |= {f"planned_{key}": max(getattr(r, key) for r in ranks.values()) for key in ("peak_bytes", "state_bytes")}
     row["sent_per_step_bytes"] = max(total_bytes(traffic(cfg, nproc, rank)) for rank in range(nproc))
-    row |= {"parameters": parameter_count(size, cfg.dataset, model), "batch_size": cfg.batch_size}
+    row["batch_size"] = cfg.batch_size
     row["command"] = f"NPROC={nproc} bash run_{runner}.sh " + " ".join(flags)
     if profile:
         step = predict(cfg, nproc, {rank: r.count for rank, r in ranks.items()}, profile).to_json()
@@ -107,7 +106,10 @@ def _spread(r: dict[str, Any]) -> float | None:
     return max(rounds) / min(rounds) - 1 if len(rounds) > 1 else None
 
 
-GB, MB = (lambda key: lambda r: fmt(r.get(key), ".3f", 1e-9)), (lambda key: lambda r: fmt(r.get(key), ".1f", 1e-6))
+def _cell(key: str, spec: str, scale: float) -> Callable[[dict[str, Any]], str]:
+    return lambda r: fmt(r.get(key), spec, scale)
+
+
 COLUMNS: list[tuple[str, Callable[[dict[str, Any]], object]]] = [
     ("model", lambda r: r["model"]),
     ("strategy", lambda r: r["strategy"]),
@@ -116,17 +118,20 @@ COLUMNS: list[tuple[str, Callable[[dict[str, Any]], object]]] = [
     ("predicted", lambda r: fmt(r["predicted"]["samples_per_s"], ".0f")),
     ("error", lambda r: fmt(r.get("error"), "+.0%")),
     ("spread", lambda r: fmt(_spread(r), ".0%")),
-    ("stolen", lambda r: fmt(max(r["stolen"], default=None), ".1%")),
+    ("stolen", lambda r: fmt(max(r.get("stolen", []), default=None), ".1%")),
     ("compute ms", lambda r: fmt(r["predicted"]["compute_s"], ".1f", 1e3)),
     ("communication ms", lambda r: fmt(r["predicted"]["communication_s"], ".1f", 1e3)),
-    ("peak GB planned", GB("planned_peak_bytes")),
-    ("measured", GB("measured_peak_bytes")),
-    ("state GB planned", GB("planned_state_bytes")),
-    ("measured", GB("measured_state_bytes")),
-    ("sent per step MB", MB("sent_per_step_bytes")),
+    ("bubble", lambda r: fmt(r["predicted"]["bubble"], ".0%") if r["strategy"] == "pipeline" else "-"),
+    ("peak GB planned", _cell("planned_peak_bytes", ".3f", 1e-9)),
+    ("measured", _cell("measured_peak_bytes", ".3f", 1e-9)),
+    ("state GB planned", _cell("planned_state_bytes", ".3f", 1e-9)),
+    ("measured", _cell("measured_state_bytes", ".3f", 1e-9)),
+    ("sent per step MB", _cell("sent_per_step_bytes", ".1f", 1e-6)),
     ("", lambda r: (r.get("refused") or r.get("failed") or "")[:140]),
 ]
-TIME_COLUMNS = ("predicted", "error", "compute ms", "communication ms")  # with --profile only
+TIME_COLUMNS = ("predicted", "error", "compute ms", "communication ms", "bubble")  # with --profile only
+NOISE = '"spread": a run\'s fastest launch over its slowest, less one; "stolen": the largest share of the cores\' time '
+NOISE += "the hypervisor gave other guests during one of its launches."
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -140,10 +145,8 @@ def markdown(report: dict[str, Any]) -> str:
     columns = [(t, cell) for t, cell in COLUMNS if report["profile"] or t not in TIME_COLUMNS]
     lines = [f"{report['date']}, {report['machine']}, torch {report['torch']}; `{report['command']}`.", ""]
     if s["runs"]:
-        lines += [f"Over {s['runs']} runs: median |error| {s['median_abs_error']:.1%}, largest "
-                  f"{s['max_abs_error']:.1%} (profile: {report['profile']}). \"spread\": a run's fastest launch over "
-                  "its slowest, less one; \"stolen\": the largest share of the cores' time the hypervisor gave other "
-                  "guests during one of its launches.", ""]  # fmt: skip
+        errors = f"median |error| {s['median_abs_error']:.1%}, largest {s['max_abs_error']:.1%}"
+        lines += [f"Over {s['runs']} runs: {errors} (profile: {report['profile']}). {NOISE}", ""]
     lines += ["Memory per rank: the rank that needs the most, planned by python -m planner and measured.", ""]
     return "\n".join([*lines, *md_table([t for t, _ in columns], ([c(r) for _, c in columns] for r in rows))]) + "\n"
 
@@ -169,10 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         fail(f"--models or --strategies: {bad[0]}; a model is model:size, a strategy one of {','.join(STRATEGIES)}")
     import torch
 
-    from bench import figures
     from common.errors import ConfigError
     from planner.timing import load_profile
-    from runner.memory import MIB_PER_CPU_PROCESS, available_mib
 
     try:
         profile = load_profile(args.profile) if args.profile else None
@@ -193,11 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     report |= {"torch": torch.__version__, "profile": profile and profile.name, "rows": rows, "summary": summary(rows)}
     (out / "scale.json").write_text(json.dumps(report, indent=1))
     (out / "scale.md").write_text(markdown(report))
-    available = available_mib()
-    budget = available and (available / max(procs) - MIB_PER_CPU_PROCESS) * 2**20  # what each process may hold here
-    figures.scale([r for r in rows if r["nproc"] == max(procs)], out / "scale.png", nproc=max(procs), budget=budget)
     print(markdown(report))
-    print(f"wrote {out / 'scale.json'}, {out / 'scale.md'}, {out / 'scale.png'}")
+    print(f"wrote {out / 'scale.json'}, {out / 'scale.md'}")
     return 0
 
 
