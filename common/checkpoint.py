@@ -215,6 +215,6 @@ def _written(write: Callable[[], None], folder: str) -> str | None:
         if (problem := write_error_in(e)) is None:
             raise  # not a write error: a bug, with its traceback
         with contextlib.suppress(OSError):
-            problem += f"; {shutil.disk_usage(folder).free / 2**20:.0f} MiB free there"
+            problem += f"; {shutil.disk_usage(folder).free / 1e6:.0f} MB free there"
         return problem
     return None

@@ -229,9 +229,10 @@ def _timeout_line() -> str:
 
 def _memory_line(e: BaseException) -> str:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        held = f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated on GPU {torch.cuda.current_device()}"
+        held = f"{torch.cuda.memory_allocated() / 1e9:.2f} GB allocated on GPU {torch.cuda.current_device()}"
     else:
-        held = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB resident at most"  # (KiB, Linux)
+        rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+        held = f"{rss_kib * 1024 / 1e9:.2f} GB resident at most"
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return (
         f"out of memory {_when()} ({held}): {first} -- try a smaller --batch-size or --model-size, "

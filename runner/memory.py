@@ -85,6 +85,14 @@ def planned_peak_bytes(cfg: Config, world_size: int) -> int:
     return state * params // shards + gathered + 4 * unit + batch
 
 
+MB = 2**20 / 1e6  # MB (10^6 bytes) in a MiB: what the runners measure in MiB they print in MB and GB, as the planner
+
+
+def gb(mib: float) -> str:
+    """A size measured in MiB, as the planner and the docs write it: 9.2 GB."""
+    return f"{mib * MB / 1000:.1f} GB"
+
+
 def available_mib() -> int | None:
     """MemAvailable from /proc/meminfo (what can be allocated without swapping), or None off Linux."""
     try:
@@ -127,16 +135,16 @@ def check_memory(cfg: Config, *, nproc: int, world_size: int, on_cpu: bool) -> N
     if cfg.model_size == "baby" and on_cpu:  # either baby model is nothing: too many processes is the trouble
         fit = int(have // need_mib)
         raise ConfigError(
-            f"NPROC={nproc}: {nproc} CPU processes need ~{total / 1024:.1f} GiB ({need_mib:.0f} MiB each) but "
-            f"{have / 1024:.1f} GiB are available; at most {fit} fit, so use NPROC={max(fit, 1)} or fewer "
+            f"NPROC={nproc}: {nproc} CPU processes need ~{gb(total)} ({need_mib * MB:.0f} MB each) but "
+            f"{gb(have)} are available; at most {fit} fit, so use NPROC={max(fit, 1)} or fewer "
             f"(or free memory)"
         )
     instead = _what_fits(cfg, nproc=nproc, world_size=world_size, on_cpu=on_cpu, have=have, runtime=runtime)
-    each = f"{nproc} processes x ~{need_mib / 1024:.1f} GiB" if on_cpu else f"~{need_mib / 1024:.1f} GiB per GPU"
+    each = f"{nproc} processes x ~{gb(need_mib)}" if on_cpu else f"~{gb(need_mib)} per GPU"
     strategy = {"ddp": "DDP", "fsdp": f"FSDP {cfg.sharding}", "pippy": "the pipeline", "tp": "TP"}[cfg.strategy]
     raise ConfigError(
         f"--model-size {cfg.model_size}: {strategy} on {world_size} ranks needs {each} (its training state and the "
-        f"peak of a step, as python -m planner plans it, and the runtime) but {have / 1024:.1f} GiB {where}; {instead}"
+        f"peak of a step, as python -m planner plans it, and the runtime) but {gb(have)} {where}; {instead}"
     )
 
 
@@ -169,7 +177,7 @@ def _what_fits(cfg: Config, *, nproc: int, world_size: int, on_cpu: bool, have: 
     for candidate, ranks, command in tries:
         mib = each_mib(candidate, ranks)
         if mib is not None and mib * (ranks if on_cpu else 1) <= have:
-            return f"this fits (~{mib / 1024:.1f} GiB each): {command}"
+            return f"this fits (~{gb(mib)} each): {command}"
     smaller = "a smaller --batch-size or --model-size"
     if cfg.strategy == "ddp" and not on_cpu:
         return f"DDP holds the whole model on every GPU, however many: {smaller}"

@@ -192,7 +192,7 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_resume_continues(un
     # torch.save's writer (under DCP) reports the kernel's EFBIG as a failed write of its own
     assert re.fullmatch(
         rf"\[rank 0\] error: checkpoint {out}/checkpoints/step_0000020.tmp not written \(.*(File too large|file "
-        rf"writer failed).*; \d+ MiB free there\), its partial files removed; the latest checkpoint is "
+        rf"writer failed).*; \d+ MB free there\), its partial files removed; the latest checkpoint is "
         rf"{out}/checkpoints/step_0000010 \(step 10\): make room, then continue with --resume",
         line,
     ), printed[-3000:]
@@ -238,7 +238,7 @@ def test_memory_run_out_in_the_cpu_allocator_is_one_line(tmp_path):
     printed = runner.communicate(timeout=LAUNCH_TIMEOUT_S)[0]
     assert runner.returncode == 1, printed[-3000:]
     (line,) = extra_lines(printed)
-    assert re.match(r"\[rank 0\] out of memory before the first step \(\d+\.\d\d GiB resident at most\): ", line)
+    assert re.match(r"\[rank 0\] out of memory before the first step \(\d+\.\d\d GB resident at most\): ", line)
     assert "DefaultCPUAllocator: can't allocate memory" in line and "--model-size" in line
 
 

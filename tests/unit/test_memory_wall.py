@@ -21,7 +21,7 @@ def test_the_wall_names_what_fits(monkeypatch):
     check_memory(Config(model_size="large", strategy="fsdp", shard_units="blocks"), nproc=4, world_size=4, on_cpu=True)
     with pytest.raises(ConfigError, match="--shard-units blocks"):  # FSDP gathering the whole model does not fit
         check_memory(Config(model_size="large", strategy="fsdp"), nproc=4, world_size=4, on_cpu=True)
-    check_memory(Config(), nproc=4, world_size=4, on_cpu=True)  # the default run: 4 x ~0.7 GiB
+    check_memory(Config(), nproc=4, world_size=4, on_cpu=True)  # the default run: 4 x ~0.8 GB
 
 
 def test_the_wall_refuses_a_vit_ddp_cannot_hold(monkeypatch):
@@ -47,7 +47,7 @@ def test_the_advice_is_what_helps_that_strategy_on_that_device(monkeypatch):
     # one CPU machine: the processes share its memory, so fewer of them help every strategy, DDP's whole copies too
     monkeypatch.setattr(runner.memory, "available_mib", lambda: 8 * 1024)
     ddp = Config(model_size="medium")
-    assert refusal(ddp, nproc=8, world_size=8, on_cpu=True) == "this fits (~3.1 GiB each): NPROC=2, the same flags"
+    assert refusal(ddp, nproc=8, world_size=8, on_cpu=True) == "this fits (~3.3 GB each): NPROC=2, the same flags"
     check_memory(ddp, nproc=2, world_size=2, on_cpu=True)  # and it does
     pipeline = Config(model_size="medium", strategy="pippy")
     monkeypatch.setattr(runner.memory, "available_mib", lambda: 4 * 1024)
