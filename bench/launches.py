@@ -1,6 +1,7 @@
-"""The machine the benchmarks run on, and the one launch helper of bench, bench.scale, bench.essentials and
-tests/soak.py: a real script or runner started as a user does, watched (first record, each rank's peak RSS, a
-timeout), then what it wrote (metrics.jsonl, run.json) and, if it failed, why. No torch here."""
+"""What every benchmark shares: its command line (a bad flag in one line), the machine it runs on, and the one launch
+helper of bench, bench.scale, bench.essentials, bench.choosing and tests/soak.py: a real script or runner started
+as a user does, watched (first record, each rank's peak RSS, a timeout), then what it wrote (metrics.jsonl,
+run.json) and, if it failed, why. No torch here."""
 
 import argparse
 import json

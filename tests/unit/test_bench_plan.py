@@ -62,3 +62,17 @@ def test_a_launch_reports_its_first_record_and_the_hypervisors_share(tmp_path):
     assert ended["returncode"] == 0 and 0.2 <= ended["first_record_s"] < ended["wall_s"]
     # steal is the hypervisor's (0 on bare metal): a share of the cores' time, never more than all of it
     assert 0 <= ended["stolen_share"] <= 1 and stolen_seconds() >= 0
+
+
+def test_a_launch_that_fails_says_why_in_one_line(tmp_path):
+    import sys
+
+    from bench.launches import launch_and_read
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")  # a previous launch's: cleared first
+    said = "import sys; print('step 1'); print('error: --lr: -1 is not positive'); sys.exit(2)"
+    row = launch_and_read([sys.executable, "-c", said], out=tmp_path / "run", nproc=1, timeout_s=60, warmup=0,
+                          timed=None, batch_size=1)  # fmt: skip
+    assert row["returncode"] == 2 and row["error"] == "exit 2: error: --lr: -1 is not positive"
+    assert row["first_record_s"] is None and "samples_per_s" not in row
