@@ -74,6 +74,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     add("--wait-quiet", type=float, default=0, help="wait up to this many seconds for load < 1 first")
     add("--timeout-s", type=float, default=300, help="per launch")
     args = parser.parse(argv)
+    args.procs = numbers("--procs", args.procs)  # (before anything is measured)
     args.repeats = args.repeats or (1 if args.quick else 3)
     if args.quick:  # a smoke test of the benchmark, not a measurement
         args.batch_size, args.warmup_steps, args.timed_steps = 32, 2, 3
@@ -82,10 +83,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def plan_of(args: argparse.Namespace) -> list[RunSpec]:
-    procs = numbers("--procs", args.procs)
-    modes_procs = max(procs) if args.all else args.modes_procs
+    modes_procs = max(args.procs) if args.all else args.modes_procs
     runs = dict(modes_procs=modes_procs, full_runs=not args.no_full_runs, bf16=not args.no_bf16, more_bf16=args.all)
-    plan = quick_plan() if args.quick else default_plan(procs, **runs)
+    plan = quick_plan() if args.quick else default_plan(args.procs, **runs)
     wanted = set(args.only.split(",")) if args.only else None
     return [spec for spec in plan if wanted is None or spec.strategy in wanted]
 
@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     watch = LoadWatch(args.wait_quiet)
     say = lambda message: print(f"[bench {watch.elapsed_s():6.1f} s] {message}", flush=True)
     report: dict[str, Any] = {"settings": dict(vars(args))}
-    say("ceilings: matmul peak, model FLOPs")
+    say("the matmul peak, the model's FLOPs")
     report.update(machine_peaks(n=args.peak_n, repeats=args.peak_repeats))
     report["model"] = model_flops()
     test_size, train_size = (64, 1024) if args.quick else (args.test_size, 0)  # 0: the scripts' default
