@@ -21,6 +21,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 N_IN, DIM, HIDDEN, N_BLOCKS, N_CLASSES = 16, 32, 64, 4, 8
 MAX_GRAD_NORM = 1.0  # the whole model's gradient is clipped to this L2 norm
+LAST_MEETING: list[dist.Work] = []  # the teardown's all-reduce, kept until the process exits (main)
 
 
 class Block(nn.Module):  # a transformer's MLP half: widen, a nonlinearity, narrow, added back to the residual stream
@@ -128,6 +129,10 @@ def main(argv: list[str] | None = None) -> None:
     device = setup()
     try:
         train(args, device)
+        # The ranks meet once more, and this process keeps the handle until it exits: on gloo, a process whose last
+        # collective gloo's thread lets go of during the interpreter's exit aborts (docs/troubleshooting.md)
+        LAST_MEETING.append(dist.all_reduce(torch.ones(1, device=device), async_op=True))
+        LAST_MEETING[-1].wait()
     finally:
         dist.destroy_process_group()
 

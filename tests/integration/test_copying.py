@@ -200,5 +200,17 @@ def test_bad_input_is_one_line_and_exit_2_before_any_process_group(early):
         assert said[0].startswith(line) and said[0].count("\n") == 1 and not any(said[1:]), (run, said)
 
 
+def test_every_line_docs_copying_md_quotes_is_in_its_loop():
+    """Each python block of docs/copying.md opens with `# loops/<file>.py` and quotes lines of that file (indentation
+    aside): the page shows the code these tests run."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "copying.md").read_text(), re.S)
+    assert len(blocks) == 4, blocks
+    for block in blocks:
+        first, *lines = block.splitlines()
+        assert first.startswith("# loops/"), first
+        source = {line.strip() for line in (ROOT / first.removeprefix("# ")).read_text().splitlines()}
+        assert lines and not [line for line in lines if line.strip() not in source], (first, lines)
+
+
 if __name__ == "__main__":
     launch_all(Path(sys.argv[1]))
