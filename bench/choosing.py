@@ -1,16 +1,17 @@
 """`python -m bench.choosing`: which strategy, when, in one table (docs/choosing.md reads it).
 
-    python -m bench.choosing                  # ~6 minutes on 2 cores: runs/choosing/{choosing.md,choosing.json}
-    python -m bench.choosing --repeats 2      # each CPU run twice: the column gives the median and both
+    python -m bench.choosing                  # runs/choosing/{choosing.md,choosing.json}
+    python -m bench.choosing --repeats 2      # each CPU run twice, the median and both: ~10 CPU-minutes
     python -m bench.choosing --quick          # BabyCNN baby alone, nothing launched: seconds
 
-One row per model, size and strategy: BabyCNN baby, large and 7b; BabyViT baby, large and ViT-L/16 (224 x 224).
-Planned by the planner's own `plan` (planner/plan.py) on 8 ranks, 32 samples per rank, AdamW, fp32: the state and
-the peak of a step of the rank that needs the most (as `python -m planner` prints them), the bytes each rank sends
-per step (planner/predict.py, the busiest rank), the step's time and MFU on an 8-GPU H100 node (planner/timing.py,
---profile), and whether the peak fits 80 GB (10^9 bytes; a real run adds the CUDA context and NCCL's buffers).
-Measured: samples/s of the same variant as the planner lays it out on 4 ranks, trained by its runner on 4 gloo
-processes on this CPU, the median step after warm-up; only the baby sizes (the others would take hours here).
+One row per model, size and strategy: BabyCNN baby, large and 7b; BabyViT baby, large and ViT-B/16 at 224 x 224
+(l16 plans 2.5 times as long). Planned by the planner's own `plan` (planner/plan.py) on 8 ranks, 32 samples per
+rank, AdamW, fp32: the state and the peak of a step of the rank that needs the most (as `python -m planner` prints
+them), the bytes each rank sends per step (planner/predict.py, the busiest rank), the step's time and MFU on an
+8-GPU H100 node (planner/timing.py, --profile), and whether the peak fits 80 GB (10^9 bytes; a real run adds the
+CUDA context and NCCL's buffers). Measured: samples/s of the same variant as the planner lays it out on 4 ranks,
+trained by its runner on 4 gloo processes on this CPU, the median step after warm-up; only the baby sizes (the
+others would take hours here).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, Sequence
 from bench.launches import launch, launch_env, records
 from runner.entry import fail, require_torch
 
-MODELS = {"cnn": ("baby", "large", "7b"), "vit": ("baby", "large", "l16")}
+MODELS = {"cnn": ("baby", "large", "7b"), "vit": ("baby", "large", "b16")}
 NAMES = {"cnn": "BabyCNN", "vit": "BabyViT"}
 FSDP = {"cnn": "fsdp full, a unit per layer", "vit": "fsdp full, a unit per block"}  # the planner's variant names
 VARIANTS = ("ddp", "fsdp", "fsdp x tp", "pipeline 1f1b")
@@ -130,6 +131,12 @@ def markdown(rows: list[dict[str, Any]], profile_name: str) -> str:
     return "\n".join([*lines, "", note + f"-{STEPS}; — not run here."]) + "\n"
 
 
+def write(out: Path, rows: list[dict[str, Any]], profile_name: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "choosing.md").write_text(markdown(rows, profile_name.split(",")[0]))
+    (out / "choosing.json").write_text(json.dumps({"profile": profile_name, "rows": rows}, indent=1))
+
+
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.choosing", description=__doc__.split("\n\n")[0])
     parser.error = lambda message: fail(f"{message} (see --help)")  # one line and exit 2, no usage block
@@ -163,11 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 row = planned(model, size_name, variant, profile)
                 launches = 0 if args.quick or size_name not in MEASURED_SIZES else args.repeats
                 rows.append(row | {"cpu_runs": [measured(model, variant, out) for _ in range(launches)]})
-    out.mkdir(parents=True, exist_ok=True)
-    table = markdown(rows, profile.name.split(",")[0])
-    (out / "choosing.md").write_text(table)
-    (out / "choosing.json").write_text(json.dumps({"profile": profile.name, "rows": rows}, indent=1))
-    print(table + f"({len(rows)} rows in {time.perf_counter() - started:.0f} s; {out / 'choosing.md'}, .json)")
+                write(out, rows, profile.name)  # row by row: a run cut short keeps what it found
+    print((out / "choosing.md").read_text() + f"({len(rows)} rows in {time.perf_counter() - started:.0f} s; {out})")
     return 0
 
 
