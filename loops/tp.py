@@ -5,9 +5,8 @@
     python loops/tp.py                                             # 1 process, no torchrun needed
 
 Every linear layer is split over the TP ranks of a replica, which all train on the replica's slice of each global
-batch; with --dp, FSDP shards each rank's slices over the replicas. Model, data and seed are those of every loop in
-loops/: all print the same losses. Lines specific to TP are marked `# [TP]`; `apply_tp` is train_tp.py's wrap
-without its options (docs/copying.md).
+batch; with --dp, FSDP shards each rank's slices over the replicas. Model, data and seed are every loop's in loops/.
+Lines specific to TP are marked `# [TP]`; `apply_tp` is train_tp.py's wrap without its options (docs/copying.md).
 """
 
 import argparse
@@ -136,9 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dp", type=int, default=1, help="replicas (FSDP x TP), each split over world / dp ranks")
     args = parser.parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    # each replica's TP ranks must split every layer evenly: the head's classes too
     dps = [dp for dp in range(1, world_size + 1) if world_size % dp == 0 and N_CLASSES % (world_size // dp) == 0]
-    if args.dp not in dps:
+    if args.dp not in dps:  # each replica's TP ranks must split every layer evenly, the head's classes too
         fail(
             f"--dp {args.dp}: {world_size} ranks make no {args.dp} replicas of 1, 2, 4 or 8 TP ranks; use --dp in {dps}"
         )
