@@ -231,8 +231,7 @@ def _memory_line(e: BaseException) -> str:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         held = f"{torch.cuda.memory_allocated() / 1e9:.2f} GB allocated on GPU {torch.cuda.current_device()}"
     else:
-        rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-        held = f"{rss_kib * 1024 / 1e9:.2f} GB resident at most"
+        held = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9:.2f} GB resident at most"  # KiB
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return (
         f"out of memory {_when()} ({held}): {first} -- try a smaller --batch-size or --model-size, "

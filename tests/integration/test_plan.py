@@ -262,9 +262,9 @@ def test_the_planner_command_for_7b_on_4_ranks(early):
 
 
 def test_the_runner_refuses_a_model_that_does_not_fit_before_torchrun_starts(tmp_path):
-    # 7b with DDP needs ~107 GiB per process: on any machine this suite runs on, one line, exit 2, nothing started
+    # 7b with DDP needs ~115 GB per process: on any machine this suite runs on, one line, exit 2, nothing started
     out = tmp_path / "too-big"
     proc = run_command(["bash", "run_ddp.sh", "--model-size", "7b", "--out", str(out)], check=False, timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.startswith("error: --model-size 7b: DDP on 4 ranks needs 4 processes x ~107")
+    assert proc.stderr.startswith("error: --model-size 7b: DDP on 4 ranks needs 4 processes x ~115.0 GB")
     assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists()
