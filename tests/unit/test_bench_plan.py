@@ -4,7 +4,7 @@ and one launch's watch on a process."""
 
 import pytest
 
-from bench.plan import Settings, default_plan
+from bench.benchmark import Settings, default_plan
 from bench.report import annotate
 from common.cli import parse_config
 from common.versions import NEEDS_V
@@ -16,7 +16,7 @@ SETTINGS = Settings(batch_size=128, warmup=3, timed=30, test_size=256)
 @needs_torch(NEEDS_V)  # the plan runs every schedule, TP too (2.12 both)
 def test_every_planned_run_is_a_valid_configuration():
     # the full benchmark takes minutes: a flag combination the scripts reject must fail here, not in it
-    plan = default_plan([1, 2, 4], modes_procs=4, full_runs=True, bf16=True, more_bf16=True)
+    plan = default_plan([1, 2, 4])
     assert {"pipeline 1f1b, 2 replicas × 2 stages", "pipeline zbv", "fsdp hybrid"} <= {spec.name for spec in plan}
     for spec in plan:
         if spec.strategy != "baseline":  # every flag of the launch, as the script will parse it
