@@ -51,7 +51,7 @@ SOURCES = {  # what profile.json says of each of its parts
     "collective_after_compute_s": "python -m bench.collectives --after-compute: 512 KiB after 1 to 24 ms of "
     "compute, [compute s, extra s]",
     "peak_flops": "a 2048^3 matmul on all cores, fp32 and bf16 (bench/benchmark.py)",
-    "overlap": "gloo reduces on the cores that compute: nothing hides (docs/scale.md, Time)",
+    "overlap": "gloo reduces on the cores that compute: nothing hides (docs/time.md)",
 }
 
 

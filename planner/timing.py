@@ -125,8 +125,9 @@ def pays_call_cost(op: Op) -> bool:
     """Whether a CPU charges `op`'s calls what an eager call costs beyond its work (its module's Python, autograd's
     node): a kernel's call in forward or backward. Not a view's (no kernel: its cost is its timed one), nor the
     optimizer's and the gradient norm's, which run in plain no-grad Python that timing the operator alone already
-    pays (the ViT's gradient norm, 417 calls: 1.7 ms, its operators alone 1.8 ms, python -m bench.steps). The
-    profile's fit counts the same calls (bench/machine.py: beyond_operators)."""
+    pays (the ViT's gradient norm, 417 calls: 1.7 ms, its operators alone 1.8 ms,
+    docs/benchmarks/2026-12-02-zen4-2core-time-model.md). The profile's fit counts the same calls (bench/machine.py:
+    beyond_operators)."""
     return op.name not in VIEWS and op.phase != "optimizer"
 
 
