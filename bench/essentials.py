@@ -3,7 +3,6 @@
     python -m bench.essentials clip --procs 4 --steps 60 --repeats 2     # --max-grad-norm 1 vs 0, every script
     python -m bench.essentials compile --procs 1 --strategies ddp,fsdp   # --compile vs eager
     python -m bench.essentials compile --procs 4 --strategies pippy
-    python -m bench.essentials stop-check --procs 2                      # the per-step preemption check alone
 
 One launch runs `train_<strategy>.train` for each configuration in turn (`worker`); the figures are medians of
 `step_time_s` after the first --skip steps (the first compiled run's, an empty inductor cache, reported apart).
@@ -14,38 +13,26 @@ import argparse
 import importlib
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from bench.launches import ROOT, Parser, failure, launch, launch_env, records, torchrun
+from bench.launches import Parser, failure, launch, launch_env, records, torchrun
 from bench.report import md_table
 
 TIMEOUT_S = 3600  # per launch: every configuration's run, one after another
 
 
-def worker(what: str, arg: str) -> None:
-    """One process of a launch: the trainings listed in the JSON file `arg`, or `arg` preemption checks."""
+def worker(runs: str) -> None:
+    """One process of a launch: the trainings listed in the JSON file `runs`, one after another."""
     import torch
 
     from common.cli import parse_config
-    from common.distributed import setup_distributed, stop_requested, teardown_distributed
+    from common.distributed import setup_distributed, teardown_distributed
 
     env = setup_distributed(timeout_s=300)
     try:
-        if what == "stop-check-worker":  # one all-reduce of one number per step, read on the host
-            for _ in range(20):  # warm-up: the first collectives set up gloo's pairs
-                stop_requested()
-            start, calls = time.perf_counter(), int(arg)
-            for _ in range(calls):
-                stop_requested()
-            per_call_us = (time.perf_counter() - start) / calls * 1e6
-            if env.is_main:
-                print(f"stop_requested(): {per_call_us:.0f} us per call on {env.world_size} processes ({calls} calls)")
-            return
-        for out, (strategy, flags) in json.loads(Path(arg).read_text()).items():
+        for out, (strategy, flags) in json.loads(Path(runs).read_text()).items():
             cfg = parse_config(strategy, [*flags, "--out", out], world_size=env.world_size)
             torch.set_num_threads(cfg.threads or torch.get_num_threads())
             importlib.import_module(f"train_{strategy}").train(cfg, env)
@@ -84,19 +71,14 @@ def paired(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    if sys.argv[1:2] in (["worker"], ["stop-check-worker"]):
-        return worker(*sys.argv[1:3])
+    if sys.argv[1:2] == ["worker"]:
+        return worker(sys.argv[2])
     parser = Parser("python -m bench.essentials", __doc__.split("\n")[0])
-    parser.add_argument("what", choices=["clip", "compile", "stop-check"])
+    parser.add_argument("what", choices=["clip", "compile"])
     for flag, default in [("--procs", 4), ("--strategies", "ddp,fsdp,pippy"), ("--steps", 60), ("--repeats", 2)]:
         parser.add_argument(flag, type=type(default), default=default)
     parser.add_argument("--skip", type=int, default=5, help="first steps left out of the medians")
-    parser.add_argument("--calls", type=int, default=200, help="stop-check: preemption checks timed")
-    args = parser.parse(sys.argv[1:])
-    if args.what != "stop-check":
-        return paired(args)
-    cmd = [*torchrun(args.procs), "-m", "bench.essentials", "stop-check-worker", str(args.calls)]
-    sys.exit(subprocess.run(cmd, cwd=ROOT).returncode)
+    paired(parser.parse(sys.argv[1:]))
 
 
 if __name__ == "__main__":
