@@ -1,17 +1,9 @@
-"""The planner's time model on GPUs: its predictions set beside published measurements of systems whose model it can
-express, and each pipeline schedule's bubble on H100. Nothing is launched: every number is a plan (python -m planner's
-fake step, counted) timed on a published profile (planner/profiles/).
+"""The planner's time model on GPUs, nothing launched: its plans (planner/plan.py's time_config on a published profile,
+planner/profiles/) beside published measurements (timm on one RTX 3090, NVIDIA NeMo's ViT g/14 on DGX A100 and H100
+nodes: PUBLISHED), and each pipeline schedule's bubble on H100. docs/time.md ("At scale") reads both tables.
 
     python -m bench.at_scale                      # runs/at_scale/at_scale.md (~10 CPU-minutes on 2 cores)
     python -m bench.at_scale --only published     # just the comparison with the published measurements
-
-- **Published**: timm's training benchmark on one RTX 3090 (fp16 autocast, SGD, the largest batch that fit 24 GB;
-  results/benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv) for ViT-Ti/16, S/16, B/16, L/16; NVIDIA NeMo's ViT g/14
-  on 1 to 16 DGX nodes of 8 A100s or H100s (bf16, 64 images per GPU, no tensor or pipeline parallelism: data
-  parallel with a distributed optimizer, whose reduce-scatter and all-gather move what DDP's all-reduce does).
-- **Schedules**, on H100: the bubble of each pipeline schedule. FSDP and FSDP x TP at scale are the planner's own:
-  python -m planner --model vit --model-size g14 --precision bf16 --profile h100-sxm --world-sizes 8,64,1024
-  --per-rank-batch 4 (16, 64) --variants "fsdp full, a unit per block;fsdp x tp".
 """
 
 from __future__ import annotations
@@ -23,8 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.launches import Parser
-from bench.report import fmt, md_table
+from bench.launches import Parser, fmt, md_table
 
 TIMM = "huggingface/pytorch-image-models results/benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv"
 NEMO = "docs.nvidia.com/nemo-framework/user-guide/latest/MultimodalModels/VisionLanguageFoundation/Vit/Perf.html"
@@ -78,16 +69,13 @@ def schedules(model: str, size: str, batch: int) -> list[dict[str, Any]]:
         cfg = replace(base, schedule=schedule, stages_per_rank=per_rank, n_microbatches=8, dp=1)
         if would_start(cfg, 4, planned=True):
             step = time_config(cfg, 4, load_profile("h100-sxm"))
-            found.append({**_row(4, batch * 2, step), "schedule": schedule, "bubble": step.bubble})
+            row = {"gpus": 4, "per_gpu_batch": batch * 2, "schedule": schedule, "bubble": step.bubble}
+            row |= {k: getattr(step, k) for k in ("step_s", "samples_per_s", "mfu", "communication_s", "exposed_s")}
+            found.append(row | {"exposed_share": step.exposed_s / step.step_s if step.step_s else 0.0})
     return found
 
 
-def _row(world: int, batch: int, step: Any) -> dict[str, Any]:
-    row = {"gpus": world, "per_gpu_batch": batch, "exposed_share": step.exposed_s / step.step_s if step.step_s else 0.0}
-    return row | {k: getattr(step, k) for k in ("step_s", "samples_per_s", "mfu", "communication_s", "exposed_s")}
-
-
-SWEEP_COLUMNS = [  # (title, cell of a schedule's row)
+SCHEDULE_COLUMNS = [  # (title, cell of a schedule's row)
     ("GPUs", lambda r: r["gpus"]),
     ("batch per GPU", lambda r: r["per_gpu_batch"]),
     ("step ms", lambda r: fmt(r["step_s"], ".1f", 1e3)),
@@ -96,8 +84,9 @@ SWEEP_COLUMNS = [  # (title, cell of a schedule's row)
     ("communication ms", lambda r: fmt(r["communication_s"], ".1f", 1e3)),
     ("exposed ms", lambda r: fmt(r["exposed_s"], ".1f", 1e3)),
     ("exposed", lambda r: fmt(r["exposed_share"], ".0%")),
+    ("schedule", lambda r: r["schedule"]),
+    ("bubble", lambda r: fmt(r["bubble"], ".0%")),
 ]
-SWEEP_COLUMNS += [("schedule", lambda r: r["schedule"]), ("bubble", lambda r: fmt(r["bubble"], ".0%"))]
 PUBLISHED_COLUMNS = [
     ("system", lambda r: r["what"]),
     ("GPUs", lambda r: r["gpus"]),
@@ -120,7 +109,7 @@ def markdown(report: dict[str, Any]) -> str:
         ]
         lines += ["", *table(PUBLISHED_COLUMNS, rows), ""]
     if rows := report.get("schedules"):
-        lines += ["## Schedules", "", *table(SWEEP_COLUMNS, rows), ""]
+        lines += ["## Schedules", "", *table(SCHEDULE_COLUMNS, rows), ""]
     return "\n".join(lines)
 
 

@@ -1,31 +1,23 @@
-"""`python -m bench.choosing`: which strategy, when, in one table (docs/choosing.md reads it).
+"""`python -m bench.choosing`: which strategy, when, in one table (docs/choosing.md reads it and says what each column
+is). One row per model, size and strategy (MODELS, VARIANTS), planned by the planner's own `plan` on RANKS ranks and
+timed on an 8-GPU H100 node; the baby sizes also trained by their runner on CPU_PROCS gloo processes here.
 
     python -m bench.choosing                  # runs/choosing/{choosing.md,choosing.json}
     python -m bench.choosing --repeats 2      # each CPU run twice, the median and both: ~10 CPU-minutes
     python -m bench.choosing --quick          # BabyCNN baby alone, nothing launched: seconds
-
-One row per model, size and strategy: BabyCNN baby, large and 7b; BabyViT baby, large and ViT-B/16 at 224 x 224
-(l16 plans 2.5 times as long). Planned by the planner's own `plan` (planner/plan.py) on 8 ranks, 32 samples per
-rank, AdamW, fp32: the state and the peak of a step of the rank that needs the most (as `python -m planner` prints
-them), the bytes each rank sends per step (planner/predict.py, the busiest rank), the step's time and MFU on an
-8-GPU H100 node (planner/timing.py, --profile), and whether the peak fits 80 GB (10^9 bytes; a real run adds the
-CUDA context and NCCL's buffers). Measured: samples/s of the same variant as the planner lays it out on 4 ranks,
-trained by its runner on 4 gloo processes on this CPU, the median step after warm-up; only the baby sizes (the
-others would take hours here).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from bench.launches import launch, launch_env, records
+from bench.launches import Parser, launch_and_read
 from runner.entry import fail, require_torch
 
 MODELS = {"cnn": ("baby", "large", "7b"), "vit": ("baby", "large", "b16")}
@@ -83,29 +75,23 @@ def planned(model: str, size: str, variant: str, profile: Any) -> dict[str, Any]
     return row
 
 
-def samples_per_s(steps: list[dict[str, Any]], batch_size: int) -> float:
-    """The global batch over the median step time of the steps after WARMUP."""
-    return batch_size / statistics.median(r["step_time_s"] for r in steps if r["step"] > WARMUP)
-
-
 def measured(model: str, variant: str, out: Path) -> dict[str, Any]:
-    """`variant` of the baby model as the planner lays it out on CPU_PROCS ranks, trained STEPS steps by its runner."""
+    """`variant` of the baby model as the planner lays it out on CPU_PROCS ranks, trained STEPS steps by its runner:
+    the global batch over the median step after WARMUP."""
     from common.config import Config
     from planner.plan import variant_config
 
     name, batch = variant_name(model, variant), PER_RANK * CPU_PROCS
     cfg = variant_config(name, Config(model=model, model_size="baby", batch_size=batch), CPU_PROCS)
     folder = out / f"{model}-{variant.replace(' ', '-')}"
-    shutil.rmtree(folder, ignore_errors=True)  # a previous launch's: the runner would move it aside
     args = [*script_flags(cfg), "--max-steps", str(STEPS), "--epochs", "100", "--train-size", "1024"]
     command = ["bash", f"run_{cfg.strategy}.sh", *args, "--test-size", "128"]
-    env = launch_env(CPU_PROCS)
-    ended = launch([*command, "--out", str(folder)], out=folder, nproc=CPU_PROCS, timeout_s=600, env=env)
-    if ended["returncode"] != 0:  # the row says so; the table goes on
-        tail = (folder / "console.log").read_text().strip().splitlines()[-1:]
-        return {"error": f"exit {ended['returncode']}: {' '.join(tail)}", "command": " ".join(command)}
-    speed, command = samples_per_s(records(folder), batch), f"NPROC={CPU_PROCS} {' '.join(command)}"
-    return {"samples_per_s": speed, "layout": layout(cfg, CPU_PROCS), "command": command}
+    ran = launch_and_read([*command, "--out", str(folder)], out=folder, nproc=CPU_PROCS, timeout_s=600,
+                          warmup=WARMUP, timed=None, batch_size=batch)  # fmt: skip
+    found = {"command": f"NPROC={CPU_PROCS} {' '.join(command)}"}
+    if "error" in ran:  # the row says so; the table goes on
+        return found | {"error": ran["error"]}
+    return found | {"samples_per_s": batch / ran["step_time_s"]["median"], "layout": layout(cfg, CPU_PROCS)}
 
 
 def speed_cell(runs: list[dict[str, Any]]) -> str:
@@ -138,13 +124,12 @@ def write(out: Path, rows: list[dict[str, Any]], profile_name: str) -> None:
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.choosing", description=__doc__.split("\n\n")[0])
-    parser.error = lambda message: fail(f"{message} (see --help)")  # one line and exit 2, no usage block
+    parser = Parser("python -m bench.choosing", __doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/choosing", help="where choosing.md and choosing.json go")
     parser.add_argument("--profile", default="h100-sxm", help="the GPU the steps are timed on (planner/profiles/)")
     parser.add_argument("--repeats", type=int, default=1, help="launches of each CPU run (the median is shown)")
     parser.add_argument("--quick", action="store_true", help="BabyCNN baby alone, planned, nothing launched")
-    args = parser.parse_args(argv)
+    args = parser.parse(argv)
     if args.repeats < 1:
         fail(f"--repeats: expected at least 1 launch per CPU run, got {args.repeats}")
     return args

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from bench.launches import CORES, ROOT, LoadWatch, Parser, cpu_name, cpu_seconds, peak_rss_bytes, torchrun
-from bench.report import human
 from common.errors import UserError
 from runner.entry import fail
 
@@ -45,6 +44,14 @@ TIMING = "per op: the slowest rank's mean over back-to-back calls (nccl-tests -a
 AFTER_COMPUTE_S, AFTER_BYTES, AFTER_ROUNDS, AFTER_TARGET_S = 0.008, 512 << 10, 5, 0.5
 AFTER_CURVE_S, QUICK_CURVE_S = (0.001, 0.003, 0.008, 0.024), (0.002, 0.008)
 RUNTIME_MIB = 600  # a CPU worker's peak RSS besides its messages: 526 MiB measured with 1 MiB messages (torch, gloo)
+
+
+def human(nbytes: float) -> str:
+    """4096 -> '4 KiB', 268435456 -> '256 MiB'."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes:g} B"
 
 
 def bus_factor(op: str, n: int) -> float:

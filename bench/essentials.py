@@ -17,8 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.launches import Parser, failure, launch, launch_env, records, torchrun
-from bench.report import md_table
+from bench.launches import Parser, failure, launch, launch_env, md_table, records, torchrun
 
 TIMEOUT_S = 3600  # per launch: every configuration's run, one after another
 

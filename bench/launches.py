@@ -1,7 +1,7 @@
-"""What every benchmark shares: its command line (a bad flag in one line), the machine it runs on, and the one launch
-helper of bench, bench.scale, bench.essentials, bench.choosing and tests/soak.py: a real script or runner started
-as a user does, watched (first record, each rank's peak RSS, a timeout), then what it wrote (metrics.jsonl,
-run.json) and, if it failed, why. No torch here."""
+"""What every benchmark shares: its command line (a bad flag in one line), the machine it runs on, its Markdown
+tables, and the one launch helper (bench, bench.scale, bench.choosing, tests/soak.py...): a real script or runner
+started as a user does, watched (first record, each rank's peak RSS, a timeout), then what it wrote and, if it
+failed, why. No torch here."""
 
 import argparse
 import json
@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn, Sequence
+from typing import Any, Iterable, NoReturn, Sequence
 
 from common.errors import UserError
 
@@ -165,11 +165,6 @@ def records(out: Path, kind: str = "train") -> list[dict[str, Any]]:
     return sorted((r for r in found if r.get("kind") == kind), key=lambda r: r["step"])
 
 
-def read_run_json(out: Path) -> dict[str, Any] | None:
-    path = out / "run.json"
-    return json.loads(path.read_text()) if path.exists() else None
-
-
 def launch(cmd: list[str], *, out: Path, nproc: int, timeout_s: float, env: dict | None = None) -> dict[str, Any]:
     """Run `cmd` from the suite's root, noting when the first record appears in out/metrics.jsonl and each rank's
     peak RSS. Past `timeout_s` the whole launch is killed."""
@@ -233,11 +228,20 @@ def launch_and_read(cmd: list[str], *, out: Path, nproc: int, timeout_s: float, 
     row |= timing_stats(train, warmup=warmup, timed=timed, batch_size=batch_size)
     if train and row["first_record_s"] is not None:
         row["launch_to_first_step_s"] = row["first_record_s"] - train[0]["step_time_s"]
-    if info := read_run_json(out):
-        row |= {
-            "threads_per_process": info.get("threads_per_process"),
-            "tensor_bytes_per_rank": state_bytes_per_rank(info),
-        }
+    if (out / "run.json").exists():
+        info = json.loads((out / "run.json").read_text())
+        row["tensor_bytes_per_rank"] = state_bytes_per_rank(info)
+        row["threads_per_process"] = info.get("threads_per_process")
         row["peak_bytes_per_rank"] = [m.get("peak_bytes") for m in info["memory"]["per_rank"]]
         row["test_accuracy"] = (info.get("final") or {}).get("test_accuracy")
     return row
+
+
+def md_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    """A Markdown table's lines; a cell is printed with str()."""
+    line = lambda cells: "|" + "".join(f" {c} |" if str(c) else " |" for c in cells)
+    return [line(header), "|" + "---|" * len(header), *map(line, rows)]
+
+
+def fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)

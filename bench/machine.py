@@ -1,20 +1,10 @@
-"""This machine's profile for the planner's time model (planner/timing.py), measured:
+"""This machine's profile for the planner's time model (planner/timing.py), measured: every distinct operator of the
+steps the planner counts, timed out of the caches at each thread count the runners give a process; the first touch of
+new pages; what a step, a DTensor call and an FSDP unit cost beyond their operators (bench/fits.py fits them); the
+collectives (`bench.collectives --after-compute`) at each group size; the matmul peak. docs/time.md says how.
 
     python -m bench.machine                       # runs/machine/profile.json (~16 min on 2 cores)
     python -m planner --model-size small --profile runs/machine/profile.json
-
-- **Compute**: every distinct operator of the steps the planner counts for the suite's models (planner/count.py) run
-  on real tensors, copies rotated over 64 MiB (out of the caches, as in a step), at every thread count the runners
-  give a process, in as many processes at once as such a run starts (they share memory bandwidth and caches), the
-  thread counts in turn on each operator (side by side: the machine's speed drifts). Per thread count, a
-  non-negative least-squares fit of `overhead + FLOPs / FLOP/s` (a rate per class: matmul, convolution, attention)
-  and `overhead + bytes / bandwidth` (the rest), each operator weighted by its calls in the steps.
-- **First touch of new pages**: a 64 MiB fill on new pages against one into a buffer kept; the operators are then
-  timed on pages already mapped (keep_every_page), and the planner adds the first touch of each large storage.
-- **Overhead**: small eager steps of BabyCNN and the ViT less their operators' times alone, fit as a cost once a
-  step plus one per kernel call; under TP and FSDP on a world of one, what a DTensor call and an FSDP unit add.
-- **Collectives**: `bench.collectives --after-compute` at every group size the runners start, 1 KiB to 64 MiB.
-- **The peak** for MFU: the fp32 and bf16 matmul peak on all cores (bench/benchmark.py).
 """
 
 from __future__ import annotations

@@ -8,9 +8,8 @@ memory (the step's peak and the state it holds, against --measure-peak and run.j
     python -m bench.scale --profile runs/machine/profile.json --models cnn:baby,cnn:small,vit:baby \\
         --strategies ddp,fsdp,pipeline,tp --procs 1,2,4 --steps 20 --rounds 3    # the time model on this machine
 
-A run the scripts would not start, or the memory wall refuses, is not launched. Every run is launched once a round
-(a slow spell hits all alike); its samples/s is its median step's after the first 3, the median over the rounds.
-Writes scale.json and scale.md in --out (runs/scale).
+A run the scripts would not start, or the memory wall refuses, is not launched; the others once a round (a slow
+spell hits all alike). Writes scale.json and scale.md in --out (runs/scale).
 """
 
 from __future__ import annotations
@@ -23,8 +22,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from bench.launches import CORES, Parser, cpu_name, launch_and_read, numbers
-from bench.report import fmt, md_table
+from bench.launches import CORES, Parser, cpu_name, fmt, launch_and_read, md_table, numbers
 from runner.entry import fail
 
 STRATEGIES = {  # name -> (runner, flags); "sp": --sequence-parallel, the ViT's only; "x": FSDP x TP, 2 x 2

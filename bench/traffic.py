@@ -15,8 +15,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from bench.launches import Parser
-from bench.report import md_table
+from bench.launches import Parser, md_table
 from common.config import Config
 from planner.predict import traffic
 from planner.timing import predict_time_s

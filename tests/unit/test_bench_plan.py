@@ -4,8 +4,7 @@ and one launch's watch on a process."""
 
 import pytest
 
-from bench.benchmark import Settings, default_plan
-from bench.report import annotate
+from bench.benchmark import Settings, annotate, default_plan
 from common.cli import parse_config
 from common.versions import NEEDS_V
 from tests.helpers import needs_torch

@@ -73,9 +73,12 @@ def test_each_cpu_run_is_the_variant_the_planner_lays_out(model: str) -> None:
 
 
 def test_cpu_samples_per_s_is_the_median_step_after_warm_up() -> None:
+    from bench.launches import timing_stats  # what bench.choosing's CPU column divides the global batch by
+
     warm_up = [{"step": s, "step_time_s": 5.0} for s in range(1, choosing.WARMUP + 1)]  # slow first steps: left out
     timed = [{"step": choosing.WARMUP + i, "step_time_s": t} for i, t in enumerate([0.1, 0.4, 0.2, 0.3, 9.0], start=1)]
-    assert choosing.samples_per_s(warm_up + timed, batch_size=128) == pytest.approx(128 / 0.3)
+    stats = timing_stats(warm_up + timed, warmup=choosing.WARMUP, timed=None, batch_size=128)
+    assert stats["step_time_s"]["median"] == pytest.approx(0.3)
 
 
 def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
