@@ -112,18 +112,18 @@ def test_predicted_traffic_is_what_the_profiler_saw(runs, name, untrained):
     assert kinds == expected[name]
 
 
-def test_bench_traffic_sets_the_bytes_beside_the_benchmark(runs):
-    """bench.traffic on a real profiled run, with a made-up benchmark of exactly 1 GB/s for every op: each kind's
-    benchmark time is its bytes per step / 1 GB/s, and the counted elements are the predicted ones."""
-    from bench.traffic import rows
+def test_the_counted_traffic_timed_by_the_collective_benchmark(runs):
+    """A real profiled run (FSDP, 4 ranks) and a made-up benchmark of exactly 1 GB/s for every op: the time the
+    planner gives each rank's all-gathers (planner/timing.py's predict_time_s, the predicted bytes split over the
+    calls the profiler counted) is their bytes per step / 1 GB/s; the profile timed every rank's collective spans."""
+    from planner.timing import predict_time_s
 
     results = [{"op": op, "bytes": size, "time_s": size / 1e9} for op in OPS for size in (2**10, 2**30)]
     run = read_run(runs / "traffic-fsdp-full")
-    table = rows(run, results)
-    gathers = [r for r in table if r["collective"] == "all_gather"]
-    assert len(gathers) == 4 and all(r["predicted elements"] == r["counted elements"] for r in gathers)
-    for row in gathers:
-        cfg = parse_config("fsdp", [*TRAFFIC, *TRAFFIC_RUNS["fsdp-full"][1]], world_size=4)
-        size = traffic(cfg, 4, row["rank"])["all_gather"]["bytes"]
-        assert row["benchmark ms"] == pytest.approx(size / 1e6, rel=1e-6)
-    assert sum(r["collective"] == "all (measured)" and r["measured ms"] > 0 for r in table) == 4
+    cfg = parse_config("fsdp", [*TRAFFIC, *TRAFFIC_RUNS["fsdp-full"][1]], world_size=4)
+    assert len(run["profile"]["per_rank"]) == 4
+    for counted in run["profile"]["per_rank"]:
+        calls = counted["traffic"]["all_gather"]["calls"]
+        size = traffic(cfg, 4, counted["rank"])["all_gather"]["bytes"]
+        assert calls > 0 and calls * predict_time_s(results, "all_gather", size / calls) == pytest.approx(size / 1e9)
+        assert counted["comm_s"] > 0
