@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from bench.launches import Parser, fmt, md_table
+from common.versions import NEEDS_PLANNER
+from runner.entry import require_torch
 
 TIMM = "huggingface/pytorch-image-models results/benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv"
 NEMO = "docs.nvidia.com/nemo-framework/user-guide/latest/MultimodalModels/VisionLanguageFoundation/Vit/Perf.html"
@@ -55,7 +57,7 @@ def published(rows_out: list[dict[str, Any]]) -> dict[str, Any]:
     return {"median_abs_error": statistics.median(errors), "max_abs_error": max(errors)}
 
 
-def schedules(model: str, size: str, batch: int) -> list[dict[str, Any]]:
+def schedules(model: str = "vit", size: str = "g14", batch: int = 64) -> list[dict[str, Any]]:
     """On H100: each pipeline schedule's bubble, 4 stages, 8 micro-batches of `batch` samples (bf16). (What FSDP and
     TP do at scale, python -m planner --profile h100-sxm prints itself.)"""
     from common.config import Config
@@ -103,11 +105,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"`{report['command']}`, torch {report['torch']}.", ""]
     if rows := report.get("published"):
         s = report["published_summary"]
-        lines += ["## Predicted against published measurements", ""]
-        lines += [
-            f"{len(rows)} comparisons: median |error| {s['median_abs_error']:.0%}, largest {s['max_abs_error']:.0%}."
-        ]
-        lines += ["", *table(PUBLISHED_COLUMNS, rows), ""]
+        errors = f"median |error| {s['median_abs_error']:.0%}, largest {s['max_abs_error']:.0%}"
+        lines += ["## Predicted against published measurements", "", f"{len(rows)} comparisons: {errors}.", ""]
+        lines += [*table(PUBLISHED_COLUMNS, rows), ""]
     if rows := report.get("schedules"):
         lines += ["## Schedules", "", *table(SCHEDULE_COLUMNS, rows), ""]
     return "\n".join(lines)
@@ -116,13 +116,8 @@ def markdown(report: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = Parser("python -m bench.at_scale", __doc__.split("\n\n")[0])
     parser.add_argument("--only", choices=("published", "schedules"), help="one half only")
-    parser.add_argument("--model", default="vit:g14", help="model:size of the schedules")
-    parser.add_argument("--batch", type=int, default=64, help="samples per micro-batch of the schedules")
     parser.add_argument("--out", default="runs/at_scale")
     args = parser.parse(argv)
-    from common.versions import NEEDS_PLANNER
-    from runner.entry import require_torch
-
     require_torch(NEEDS_PLANNER, "python -m bench.at_scale")
     import torch
 
@@ -134,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["published"] = []
         report["published_summary"] = published(report["published"])
     if args.only != "published":
-        report["schedules"] = schedules(*args.model.partition(":")[::2], args.batch)
+        report["schedules"] = schedules()
     (out / "at_scale.json").write_text(json.dumps(report, indent=1))
     (out / "at_scale.md").write_text(markdown(report))
     print(markdown(report))

@@ -3,9 +3,8 @@
     python -m bench.baseline --out runs/baseline --max-steps 100
     torchrun --standalone --nproc-per-node 4 -m bench.baseline --out runs/baseline
 
-docs/performance.md says what it does the tutorials' way; diff it against train_ddp.py. It writes metrics.jsonl
-in the suite's format (plus `data_time_s`, the wait for the DataLoader) and a run.json, as the scripts do.
-"""
+docs/performance.md says what it does the tutorials' way; diff it against train_ddp.py. It writes metrics.jsonl (plus
+`data_time_s`, the wait for the DataLoader) and run.json, as the scripts do."""
 
 import argparse
 import json

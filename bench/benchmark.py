@@ -1,7 +1,6 @@
 """Benchmark: every strategy against a conventional baseline and against the machine's matmul peak.
 
     python -m bench                      # the default suite (~10 min on 2 cores): runs/bench/bench.{json,md}
-    python -m bench --wait-quiet 600     # first wait (up to 600 s) until the 1-min load average is < 1
     python -m bench --only ddp,baseline --procs 1,2 --timed-steps 10
     python -m bench --quick              # seconds: tiny settings, for the smoke test
 
@@ -66,6 +65,10 @@ class RunSpec:
         return [*python, *target, *args]
 
 
+# the smoke test's launches (--quick)
+QUICK_PLAN = [RunSpec("ddp", "ddp", 1, launcher="python"), RunSpec("baseline", "baseline", 2), RunSpec("ddp", "ddp", 2)]
+
+
 def schedule_flags(schedule: str, *, pipeline_ranks: int) -> list[str]:
     """A pipeline schedule and what its layout needs (common/pipeline_layout.py checks it): one stage per rank
     for gpipe and 1F1B, two for the others; dualpipev at least a micro-batch per stage."""
@@ -73,11 +76,6 @@ def schedule_flags(schedule: str, *, pipeline_ranks: int) -> list[str]:
         return ["--schedule", schedule]
     flags = ["--schedule", schedule, "--stages-per-rank", "2"]
     return flags + (["--n-microbatches", str(2 * pipeline_ranks)] if schedule == "dualpipev" else [])
-
-
-def quick_plan() -> list[RunSpec]:
-    """The smoke test's launches."""
-    return [RunSpec("ddp", "ddp", 1, launcher="python"), RunSpec("baseline", "baseline", 2), RunSpec("ddp", "ddp", 2)]
 
 
 def _scaling_runs(p: int, *, largest: int) -> list[RunSpec]:
@@ -124,9 +122,8 @@ def matmul_peak_gflops(dtype: str, threads: int, *, n: int, repeats: int) -> flo
 
 def machine_peaks(*, n: int, repeats: int) -> dict[str, dict[str, float]]:
     """The matmul peak in fp32 and bf16 on 1 and all cores; `peak_gflops`: on all, what a run's % of peak is of."""
-    peaks = {
-        (d, t): matmul_peak_gflops(d, t, n=n, repeats=repeats) for d in ("fp32", "bf16") for t in sorted({1, CORES})
-    }
+    runs = [(d, t) for d in ("fp32", "bf16") for t in sorted({1, CORES})]
+    peaks = {(d, t): matmul_peak_gflops(d, t, n=n, repeats=repeats) for d, t in runs}
     by_threads = {f"{d} {t} thread{'s' if t > 1 else ''}": peak for (d, t), peak in peaks.items()}
     return {"peak_by_threads_gflops": by_threads, "peak_gflops": {d: p for (d, t), p in peaks.items() if t == CORES}}
 
@@ -321,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     report["model"] = model_flops()
     test_size, train_size = (64, 1024) if args.quick else (TEST_SIZE, 0)  # 0: the scripts' default
     settings = Settings(args.batch_size, args.warmup_steps, args.timed_steps, test_size, train_size)
-    plan = quick_plan() if args.quick else default_plan(args.procs)
+    plan = QUICK_PLAN if args.quick else default_plan(args.procs)
     plan = [spec for spec in plan if not args.only or spec.strategy in args.only.split(",")]
     rows = launch_all(plan, settings, work=out, repeats=args.repeats, say=say)
     annotate(rows, flops_per_sample=report["model"]["train_flops_per_sample"], peaks=report["peak_gflops"])

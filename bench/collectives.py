@@ -209,11 +209,10 @@ def time_op(call: Callable[[], object] | None, env: DistEnv, *, target_s: float)
 
 
 def time_after_compute(env: DistEnv, *, quick: bool) -> dict[str, Any]:
-    """What an all-reduce costs a training step beyond the table's back-to-back time: each rank arrives when its own
-    compute ends, the peers' gloo threads must be woken on cores the compute holds, the first waits for the last.
-    The all-reduce of AFTER_BYTES after each compute time of AFTER_CURVE_S (matmuls), less the matmuls alone and the
-    back-to-back all-reduce; the three in turn each round (the speed drifts), the slowest rank's, the median over
-    rounds. `curve`: [compute seconds, extra seconds] at each. (gloo's: a GPU's run on a stream of their own.)"""
+    """What an all-reduce costs a training step beyond the table's back-to-back time (docs/communication.md): the
+    all-reduce of AFTER_BYTES after each compute time of AFTER_CURVE_S (matmuls), less the matmuls alone and the
+    back-to-back all-reduce, the three in turn each round (the speed drifts), the slowest rank's, the median over
+    rounds. `curve`: [compute seconds, extra seconds] at each."""
     import torch
     import torch.distributed as dist
 

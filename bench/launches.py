@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterable, NoReturn, Sequence
 
 from common.errors import UserError
+from runner.entry import fail
 
 ROOT = Path(__file__).resolve().parent.parent
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -37,8 +38,6 @@ class Parser(argparse.ArgumentParser):
 
     def parse(self, argv: Sequence[str] | None) -> argparse.Namespace:
         """parse_args; a bad flag: one line and exit 2."""
-        from runner.entry import fail
-
         try:
             return self.parse_args(argv)
         except UserError as e:
@@ -47,8 +46,6 @@ class Parser(argparse.ArgumentParser):
 
 def numbers(flag: str, text: str) -> list[int]:
     """'1,2,4' -> [1, 2, 4]; anything else: one line and exit 2."""
-    from runner.entry import fail
-
     if not all(n.isdigit() and int(n) > 0 for n in text.split(",")):
         fail(f"{flag}: {text!r}; give positive whole numbers, comma-separated")
     return [int(n) for n in text.split(",")]

@@ -135,14 +135,6 @@ def keep_every_page() -> bool:
     return keep_freed_memory() and bool(ctypes.CDLL("libc.so.6").mallopt(m_mmap_max, 0))
 
 
-def _eager_steps() -> list[tuple[Any, Any]]:
-    """(a step function, its count) of each model of EAGER, as the scripts train it, in this process."""
-    from common.config import Config
-    from planner.measure import _model
-
-    return [_counted_step(Config(**flags), _model(Config(**flags))) for flags in EAGER]
-
-
 def _wrapped_steps() -> list[tuple[int, Any, Any]]:
     """(its model's index in EAGER, a step function, its count) of each model of WRAPPED under TP and FSDP (a unit per
     block) on a world of one process, as train_tp.py and train_fsdp.py wrap them: what DTensor's calls and FSDP's
@@ -230,10 +222,12 @@ def _measure(threads: Sequence[int], quick: bool, together: Any, results: Any, i
     eager steps for the overheads, and put (index, {threads: fit}) in `results`."""
     import torch
 
+    from common.config import Config
+    from planner.measure import _model
     from planner.timing import op_class, operator_key
 
     ops = counted_ops(quick)
-    eager = _eager_steps()
+    eager = [_counted_step(Config(**flags), _model(Config(**flags))) for flags in EAGER]  # (a step, its count) each
     wrapped = _wrapped_steps()
     for counted in [count.ops for _, count in eager] + [count.ops for _, _, count in wrapped]:
         for op in counted.values():
@@ -343,10 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     profile["collectives"] = {str(n): report["results"] for n, report in collectives.items()}
     profile["collective_after_compute_s"] = {str(n): r["after_compute"]["curve"] for n, r in collectives.items()}
     profile |= {"overlap": False, "sources": SOURCES}
-    profile["measured"] = {
-        "command": " ".join(["python -m bench.machine", *(argv or sys.argv[1:])]),
-        "torch": torch.__version__,
-    }
+    command = " ".join(["python -m bench.machine", *(argv or sys.argv[1:])])
+    profile["measured"] = {"command": command, "torch": torch.__version__}
     path = out / "profile.json"
     path.write_text(json.dumps(profile, indent=1))
     print(f"profile: {path}")

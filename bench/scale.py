@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from bench.launches import CORES, Parser, cpu_name, fmt, launch_and_read, md_table, numbers
-from runner.entry import fail
+from common.versions import NEEDS_PLANNER
+from runner.entry import fail, require_torch
 
 STRATEGIES = {  # name -> (runner, flags); "sp": --sequence-parallel, the ViT's only; "x": FSDP x TP, 2 x 2
     "ddp": ("ddp", []),
@@ -159,9 +160,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile", help="a profile (python -m bench.machine) to predict each run's speed with")
     parser.add_argument("--out", default="runs/scale")
     args = parser.parse(argv)
-    from common.versions import NEEDS_PLANNER
-    from runner.entry import require_torch
-
     require_torch(NEEDS_PLANNER, "python -m bench.scale")  # it plans each run
     procs, models = numbers("--procs", args.procs), [m.split(":") for m in args.models.split(",")]
     if args.steps < WARMUP + 3 or args.rounds < 1:
