@@ -25,7 +25,7 @@ content, `[flags]` without it; a `...` word means "and more" and is dropped (`RU
 flag (`--profile ...`), where it is that flag's value; `$NAME` takes the page's `NAME="..."`. Other placeholders
 (`<out>`, an ALL-CAPS word such as RUN or MODE, `n`, that `...`) are passed as written: if the only complaint is
 about one of them, the command is skipped (it needs a real value), not failed. Inline code
-that is only a name (`python -m bench.essentials`, no flags, no env) is checked for existence, not parsed.
+that is only a name (`python -m bench.machine`, no flags, no env) is checked for existence, not parsed.
 
 A `$ ` command whose output shows `error: ...` is expected to fail with that line (`...` matches anything); if
 the parse accepts it, the error comes from a later check (memory, files, another torch) and it passes. Commands
