@@ -85,12 +85,12 @@ def planned_peak_bytes(cfg: Config, world_size: int) -> int:
     return state * params // shards + gathered + 4 * unit + batch
 
 
-MB = 2**20 / 1e6  # MB (10^6 bytes) in a MiB: what the runners measure in MiB they print in MB and GB, as the planner
+MB_PER_MIB = 2**20 / 1e6  # the runners measure in MiB and print MB and GB (10^6, 10^9 bytes), as the planner
 
 
 def gb(mib: float) -> str:
     """A size measured in MiB, as the planner and the docs write it: 9.2 GB."""
-    return f"{mib * MB / 1000:.1f} GB"
+    return f"{mib * MB_PER_MIB / 1000:.1f} GB"
 
 
 def available_mib() -> int | None:
@@ -135,7 +135,7 @@ def check_memory(cfg: Config, *, nproc: int, world_size: int, on_cpu: bool) -> N
     if cfg.model_size == "baby" and on_cpu:  # either baby model is nothing: too many processes is the trouble
         fit = int(have // need_mib)
         raise ConfigError(
-            f"NPROC={nproc}: {nproc} CPU processes need ~{gb(total)} ({need_mib * MB:.0f} MB each) but "
+            f"NPROC={nproc}: {nproc} CPU processes need ~{gb(total)} ({need_mib * MB_PER_MIB:.0f} MB each) but "
             f"{gb(have)} are available; at most {fit} fit, so use NPROC={max(fit, 1)} or fewer "
             f"(or free memory)"
         )
