@@ -36,6 +36,12 @@ def resumed(pool):
     return pool / "resume"
 
 
+def own_copy(run: Path, tmp_path: Path) -> Path:
+    """A copy of a shared run for a test that launches into it: the shared folder is test_interruptions.py's
+    uninterrupted run too (trained once, found under both names), which no test may write into."""
+    return Path(shutil.copytree(run, tmp_path / run.name))
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_resume_at_the_same_world_size_repeats_the_run_bit_for_bit(resumed, strategy):
     again = resumed / f"{strategy}-resumed"
@@ -61,35 +67,34 @@ def snapshot(folder: Path) -> dict[str, str]:
         (["--optimizer", "sgd"], "adamw"),
     ],
 )
-def test_resume_with_a_changed_trajectory_setting_is_refused_in_one_line(resumed, changed, recorded):
+def test_resume_with_a_changed_trajectory_setting_is_refused_in_one_line(resumed, tmp_path, changed, recorded):
     """The runner refuses before torchrun starts (preflight), naming the flag and both values; nothing changes."""
-    before = snapshot(resumed / "ddp")
-    proc = run_command(["bash", "run_ddp.sh", *EXACT, "--resume", *changed, "--out", str(resumed / "ddp")], check=False)
+    run = own_copy(resumed / "ddp", tmp_path)
+    before = snapshot(run)
+    proc = run_command(["bash", "run_ddp.sh", *EXACT, "--resume", *changed, "--out", str(run)], check=False)
     assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
     [line] = proc.stderr.splitlines()
     assert line.startswith(f"error: {changed[0]}:") and f"{changed[0]} {recorded}" in line and changed[1] in line
-    assert snapshot(resumed / "ddp") == before
+    assert snapshot(run) == before
 
 
-def test_the_script_itself_refuses_a_changed_setting_and_stops_at_a_finished_run(resumed):
+def test_the_script_itself_refuses_a_changed_setting_and_stops_at_a_finished_run(resumed, tmp_path):
     """Launched without the runner (no preflight), the workers refuse too, and a finished run ends at once:
     exit 0, one line, no file changed."""
-    before = {s: snapshot(resumed / s) for s in ("ddp", "fsdp")}
-    refused = launch("train_ddp.py", 1, [*EXACT, "--resume", "--seed", "7"], resumed / "ddp", check=False)
+    ddp, fsdp = own_copy(resumed / "ddp", tmp_path), own_copy(resumed / "fsdp", tmp_path)
+    before = {run: snapshot(run) for run in (ddp, fsdp)}
+    refused = launch("train_ddp.py", 1, [*EXACT, "--resume", "--seed", "7"], ddp, check=False)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert refused.stderr.strip().splitlines() == [
-        f"error: --seed: the run in {resumed / 'ddp'} was trained with --seed 0, not 7; resume it with --seed 0, or "
+        f"error: --seed: the run in {ddp} was trained with --seed 0, not 7; resume it with --seed 0, or "
         f"leave out --resume to start a new run (a resume must not mix two runs into one curve)"
     ]
-    finished = launch("train_fsdp.py", 1, [*EXACT, "--resume"], resumed / "fsdp")
+    finished = launch("train_fsdp.py", 1, [*EXACT, "--resume"], fsdp)
     assert "already at step 40 of 40" in finished.stdout
     assert "2 -> 1 processes" in finished.stdout  # what a resume may change is said, once
-    runner = run_command(["bash", "run_ddp.sh", *EXACT, "--resume", "--out", str(resumed / "ddp")])
-    assert (
-        runner.stdout.strip()
-        == f"{resumed / 'ddp'}: already at step 40 of 40; nothing to train (raise --max-steps or --epochs)"
-    )
-    assert {s: snapshot(resumed / s) for s in ("ddp", "fsdp")} == before
+    runner = run_command(["bash", "run_ddp.sh", *EXACT, "--resume", "--out", str(ddp)])
+    assert runner.stdout.strip() == f"{ddp}: already at step 40 of 40; nothing to train (raise --max-steps or --epochs)"
+    assert {run: snapshot(run) for run in (ddp, fsdp)} == before
 
 
 def test_a_new_run_in_a_used_folder_moves_the_previous_run_aside(resumed, tmp_path):
