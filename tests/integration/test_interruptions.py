@@ -32,6 +32,8 @@ from tests.helpers import (
     processes,
     read_metrics,
     rewind,
+    run_command,
+    start_process,
     start_runner,
     workers_writing_to,
 )
@@ -275,9 +277,10 @@ def test_metrics_that_cannot_be_written_are_one_line_and_every_line_kept_is_whol
     assert (out / "metrics.jsonl").stat().st_size <= 4096
 
 
-def test_sigusr1_to_every_process_as_slurm_sends_it_saves_and_stops(tmp_path):
+def test_sigusr1_to_every_process_as_slurm_sends_it_saves_stops_and_resumes(uninterrupted, tmp_path):
     """SLURM's --signal=USR1@90 reaches every process of the job: the runner, torchrun (which must survive it: its
-    default action would kill it) and the workers (each notes it once)."""
+    default action would kill it) and the workers (each notes it once). The printed command continues the run from
+    the step it saved, onto the uninterrupted curve."""
     out = tmp_path / "run"
     runner = start("ddp", EXACT, out)
 
@@ -290,6 +293,58 @@ def test_sigusr1_to_every_process_as_slurm_sends_it_saves_and_stops(tmp_path):
     assert code == 128 + signal.SIGUSR1 and len(extra_lines(printed)) <= 3, printed[-3000:]
     step = int(re.search(r"stopped by SIGUSR1 after step (\d+) of 40", printed).group(1))
     assert 5 <= step < 40 and (out / "checkpoints" / f"step_{step:07d}").is_dir() and "Traceback" not in printed
+    assert continue_command(printed) == f"NPROC=2 bash run_ddp.sh {shlex.join(EXACT)} --out {out} --resume"
+    before = read_metrics(out)[0]
+    finished = run_shell(continue_command(printed))
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    assert_continues_exactly(out, uninterrupted / "ddp", step, finished.stdout, before)
+
+
+# slurm/train.sbatch on one machine: SLURM's own commands are stubs (each records its arguments in SLURM_STUB_LOG);
+# srun starts its command as the one task of node 0, as it does on a 1-node job; the training is the real runner's
+SLURM_STUBS = {
+    "scontrol": 'echo "scontrol $*" >> "$SLURM_STUB_LOG"\n[[ $1 == show ]] && tr , "\\n" <<< "$3"\nexit 0\n',
+    "srun": 'echo "srun $*" >> "$SLURM_STUB_LOG"\nwhile [[ $1 == -* ]]; do shift; done\n'
+    'SLURM_NODEID=0 SLURM_PROCID=0 SLURM_LOCALID=0 exec "$@"\n',
+}
+
+
+def test_slurm_sbatch_requeues_a_job_stopped_by_sigusr1_and_the_requeued_job_resumes(uninterrupted, tmp_path):
+    """`bash slurm/train.sbatch` as SLURM runs the batch script of a 1-node job (its variables set, scontrol and srun
+    stubbed), on one process: SIGUSR1 to the job step's processes (not the batch shell: --signal without B: spares
+    it) stops the training with a checkpoint (exit 138) and the script requeues the job; started again with
+    SLURM_RESTART_COUNT=1, as SLURM restarts a requeued job, it passes --resume and finishes on the uninterrupted
+    curve."""
+    stubs, log, out = tmp_path / "bin", tmp_path / "slurm-calls.log", tmp_path / "run"
+    stubs.mkdir()
+    for name, body in SLURM_STUBS.items():
+        (stubs / name).write_text(f"#!/bin/bash\n{body}")
+        (stubs / name).chmod(0o755)
+    slurm = dict(PATH=f"{stubs}:{os.environ['PATH']}", SLURM_STUB_LOG=str(log), SLURM_SUBMIT_DIR=str(ROOT), NPROC="1")
+    slurm |= dict(SLURM_JOB_ID="4242", SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost", SLURM_RESTART_COUNT="0")
+    sbatch = ["bash", "slurm/train.sbatch", *ONE, "--out", str(out)]
+    job = start_process(sbatch, new_session=True, **slurm)
+
+    def signal_the_job_step() -> None:
+        for pid, argv in processes():
+            if str(out) in argv and pid != job.pid:
+                os.kill(pid, signal.SIGUSR1)
+
+    code, printed = when_past(job, out, 5, signal_the_job_step)
+    assert code == 128 + signal.SIGUSR1 and "Traceback" not in printed, printed[-3000:]
+    step = int(re.search(r"stopped by SIGUSR1 after step (\d+) of 40", printed).group(1))
+    assert 5 <= step < 40 and (out / "checkpoints" / f"step_{step:07d}").is_dir(), printed[-3000:]
+    show, srun, *requeued = log.read_text().splitlines()
+    assert show == "scontrol show hostnames localhost" and srun.endswith(f" runner {' '.join(ONE)} --out {out}"), srun
+    assert requeued == ["scontrol requeue 4242"]  # the job queued again, once
+
+    before = read_metrics(out)[0]
+    log.unlink()
+    again = run_command(sbatch, env={**env_for_tests(), **slurm, "SLURM_RESTART_COUNT": "1"})
+    show, srun, *requeued = log.read_text().splitlines()
+    assert srun.endswith(f" runner {' '.join(ONE)} --out {out} --resume"), srun
+    assert requeued == []  # a finished job is not queued again
+    assert_continues_exactly(out, uninterrupted / "ddp1", step, again.stdout, before)
 
 
 def test_ctrl_c_on_a_script_run_without_the_runner_is_one_line(tmp_path):
