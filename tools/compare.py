@@ -6,6 +6,9 @@ The first run is the reference: the table gives every run's largest per-step |lo
 largest relative |grad_norm - reference grad_norm| (the pre-clip global gradient norm).
 Runs whose data set, global batch, seed or model differ are refused (their curves are not comparable);
 `--force` compares them anyway and still prints the differences. Reads only metrics.jsonl and run.json.
+
+Beside the figure, compare.json (the PNG's name with .json) says what it drew, read back from its panels: each
+panel's title, its curves (the run each is, its number of points) and its bars per run.
 """
 
 from __future__ import annotations
@@ -198,10 +201,12 @@ def plot(runs: Sequence[Run], out: str, *, log_scale: bool) -> None:
     fig, axes = plt.subplots(2, 4, figsize=(22, 9.5))
     (ax_step, ax_time, ax_acc, ax_lr), (ax_delta, ax_norm, ax_speed, ax_mem) = axes
     ref = runs[0]
+    names = [os.path.basename(os.path.normpath(r.path)) for r in runs]
     for i, run in enumerate(runs):
         steps = sorted(run.losses)
         style = {
             "label": run.label,
+            "gid": names[i],  # (which run a curve is, for drawn())
             "color": f"C{i}",
             "linewidth": 1.4,
             "alpha": 0.85,
@@ -240,13 +245,14 @@ def plot(runs: Sequence[Run], out: str, *, log_scale: bool) -> None:
         ylabel="grad_norm",
     )
     if max_norm:
-        ax_norm.axhline(max_norm, color="black", linestyle=":", linewidth=1)
+        ax_norm.axhline(max_norm, color="black", linestyle=":", linewidth=1, gid="max_grad_norm")
     for ax in (ax_step, ax_time):
         if log_scale:
             ax.set_yscale("log")
-    names = [os.path.basename(os.path.normpath(r.path)) for r in runs]
     colors = [f"C{i}" for i in range(len(runs))]
-    ax_speed.bar(names, [r.info["final"]["samples_per_s"] or 0 for r in runs], color=colors)
+    speeds = ax_speed.bar(names, [r.info["final"]["samples_per_s"] or 0 for r in runs], color=colors)
+    for bar, name in zip(speeds, names):
+        bar.set_gid(name)  # (which run a bar is, for drawn())
     ax_speed.set(title="training throughput", ylabel="samples / s")
     width = 0.8 / max(len(r.memory_per_rank()) for r in runs)
     for i, run in enumerate(runs):
@@ -259,9 +265,11 @@ def plot(runs: Sequence[Run], out: str, *, log_scale: bool) -> None:
                 color=colors[i],
                 edgecolor="black",
                 linewidth=0.3,
+                gid=names[i],
             )
         if run.cuda_peak() is not None:
-            ax_mem.plot([i - 0.4, i + 0.4], [run.cuda_peak() / MB] * 2, color="black", linestyle=":")
+            peak = [run.cuda_peak() / MB] * 2
+            ax_mem.plot([i - 0.4, i + 0.4], peak, color="black", linestyle=":", gid=f"{names[i]} CUDA peak")
     ax_mem.set_xticks(range(len(runs)), names)
     ax_mem.set(
         title="memory per rank: parameters + gradients + optimizer state\n(one bar per rank; dotted: CUDA peak)",
@@ -280,7 +288,24 @@ def plot(runs: Sequence[Run], out: str, *, log_scale: bool) -> None:
     fig.tight_layout(rect=(0, 0.07, 1, 0.97))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=110)
+    with open(os.path.splitext(out)[0] + ".json", "w") as f:
+        json.dump(drawn(fig), f, indent=1)
     plt.close(fig)
+
+
+def drawn(fig: Any) -> dict[str, Any]:
+    """What the figure shows, read back from its artists (not from what plot() meant to draw): the title, the
+    legend, and per panel its title, its curves ({"name": the run or the line's role, "points"}) and its bars
+    ({run: how many})."""
+    panels = []
+    for ax in fig.axes:
+        bars: dict[str, int] = {}
+        for patch in ax.patches:
+            bars[patch.get_gid()] = bars.get(patch.get_gid(), 0) + 1
+        curves = [{"name": line.get_gid(), "points": len(line.get_xdata())} for line in ax.get_lines()]
+        panels.append({"title": ax.get_title(), "curves": curves, "bars": bars})
+    legend = [text.get_text() for legend in fig.legends for text in legend.get_texts()]
+    return {"title": fig.get_suptitle(), "legend": legend, "panels": panels}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
