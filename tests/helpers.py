@@ -198,8 +198,14 @@ def printed(out: Path) -> str:
 
 
 def observed(out: Path) -> list[dict]:
-    """Each rank's probes of an observed run of a shared launch (tests/integration/workers/observe.py)."""
-    files = sorted(Path(f"{out}.observed").glob("rank*.json"), key=lambda f: int(f.stem[len("rank") :]))
+    """Each rank's probes of a run of a shared launch (tests/integration/workers/observe.py: every training writes
+    them, the layers' only with `Run(..., observe=True)`), in rank order. A missing or empty folder, or a rank
+    missing, fails here: a loop over the ranks would otherwise check nothing and pass."""
+    folder = Path(f"{out}.observed")
+    files = sorted(folder.glob("rank*.json"), key=lambda f: int(f.stem[len("rank") :]))
+    assert files, f"no probes in {folder}: {'it is empty' if folder.is_dir() else 'no such folder'}"
+    ranks = [int(f.stem[len("rank") :]) for f in files]
+    assert ranks == list(range(len(files))), f"{folder} holds the probes of ranks {ranks}, not 0..{len(files) - 1}"
     return [json.loads(f.read_text()) for f in files]
 
 

@@ -190,8 +190,8 @@ class Launches:
         """Each module's folder in `root`, and a run trained under another name found under its own too."""
         for name in plan.launch_of:
             (root / name).parent.mkdir(parents=True, exist_ok=True)
-        for name, trained_as in plan.aliases.items():  # the folder and what the run printed
-            for suffix in ("", ".log"):
+        for name, trained_as in plan.aliases.items():  # the folder, what the run printed and its probes (observe.py)
+            for suffix in ("", ".log", ".observed"):
                 (root / f"{name}{suffix}").symlink_to(root / f"{trained_as}{suffix}")
 
     def launch_all(self) -> None:
