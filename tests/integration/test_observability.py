@@ -84,6 +84,7 @@ def test_the_timeline_renders_for_every_schedule(runs, tmp_path, untrained):
         for kinds in ({"F"}, {"B", "I"}):
             done = {(a["stage"], a["mb"]) for a in actions if a["kind"] in kinds}
             assert done == {(s, m) for s in range(stages) for m in range(4)}, (schedule, kinds)
+        assert len(timeline["window_s"]) == len(timeline["actions"]) == 2  # both pipeline ranks reported
         for start, end in timeline["window_s"]:
             assert 0 <= start < end
         out = tmp_path / f"{schedule}.png"

@@ -106,6 +106,7 @@ def test_each_rank_holds_its_slice_of_the_split_layers(runs, name, tp, dp):
     assert run["mesh"] == {"dp": dp, "tp": tp} and run["tp"]["split_layers"] == ["fc1", "fc2"]
     theory = tp_state_bytes_theory("baby", tp=tp, dp=dp, optimizer="adamw")  # (planner/predict.py)
     assert theory["split_param_bytes"] == ddp_bytes / tp / dp
+    assert len(run["memory"]["per_rank"]) == run["world_size"] == tp * dp  # every rank reported
     for rank in run["memory"]["per_rank"]:
         assert rank["param_bytes_of"]["split"] == ddp_bytes / tp / dp  # 1/tp of DDP's (and FSDP's 1/dp of that)
         assert rank["param_bytes"] == theory["param_bytes"] == rank["grad_bytes"]
@@ -115,7 +116,9 @@ def test_the_profile_names_the_collectives_tp_adds(runs):
     # 2 profiled steps: per step one all-reduce in forward (fc2, row-wise: its partial outputs) and one in
     # backward (fc1, column-wise: the gradient of its input); outside both, the loss's and the norm's, and the
     # preemption check after a step (stop_requested: the first profiled step's falls inside the window)
-    for rank in read_run(runs / "tp")["profile"]["per_rank"]:
+    profiled = read_run(runs / "tp")["profile"]["per_rank"]
+    assert len(profiled) == 4  # every rank of the 4-way TP run
+    for rank in profiled:
         collectives = rank["collectives"]
         assert collectives["forward"] == {"gloo:all_reduce": 2} and collectives["backward"] == {"gloo:all_reduce": 2}
         assert collectives["other"] == {"gloo:all_reduce": 5}
@@ -123,13 +126,16 @@ def test_the_profile_names_the_collectives_tp_adds(runs):
 
 def test_bf16_computes_in_bf16_and_follows_fp32_closely(runs, reference):
     # autocast: the split matmuls in bf16, their partial sums added in bf16; the master weights stay fp32
-    for rank in observed(runs / "bf16"):  # what the layers returned in training, on every rank
+    probes = observed(runs / "bf16")
+    assert len(probes) == 2  # both ranks
+    for rank in probes:  # what the layers returned in training, on every rank
         assert rank["dtypes"] == dict.fromkeys(("Conv2d", "LayerNorm", "Linear"), ["torch.bfloat16"])
     # measured: 1.7e-4 apart at step 1, 5.4e-3 at most over the 20 steps; fp32 arithmetic would be ~1e-6 apart
     bf16, fp32 = losses(runs / "bf16"), losses(reference)
     assert abs(bf16[0] - fp32[0]) <= 2e-3 and 5e-4 <= max_abs_diff(bf16, fp32) <= 5e-2
     memory = read_run(runs / "bf16")["memory"]
     theory = tp_state_bytes_theory("baby", tp=2, dp=1, optimizer="adamw")
+    assert len(memory["per_rank"]) == 2
     assert all(rank["param_bytes"] == theory["param_bytes"] for rank in memory["per_rank"])  # fp32
 
 

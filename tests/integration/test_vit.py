@@ -183,6 +183,7 @@ def test_tp_gives_each_rank_its_share_of_every_block(runs, name, tp):
             split += 0 if kind == "bias" and isinstance(style, RowwiseParallel) else p.numel()  # (a row's bias: whole)
     run = read_run(runs / name)
     assert len(run["tp"]["split_layers"]) == 6 * 6  # q, k, v, proj, fc1, fc2 in each of the 6 blocks
+    assert len(run["memory"]["per_rank"]) == tp  # every rank reported
     for rank in run["memory"]["per_rank"]:
         assert rank["param_bytes_of"]["split"] == 4 * split // tp, rank
 
@@ -193,7 +194,9 @@ def test_checkpointing_recomputes_each_block_in_the_compute_dtype(runs, name):
     output is not needed, and the recomputation stops once backward has what it needs); the embedding and the
     head, outside any block, do not. Under bf16 mixed precision the block recomputes in bf16."""
     dtype = "torch.bfloat16" if "bf16" in name else "torch.float32"
-    for rank in observed(runs / name):
+    probes = observed(runs / name)
+    assert len(probes) == 2  # both ranks
+    for rank in probes:
         # a block's Linear layers (q, k, v, proj, fc1; fc2 not) and LayerNorms (2): 6 blocks, 10 steps
         assert rank["calls"]["recomputed"] == 10 * 6 * 7, rank["calls"]
         assert rank["recomputed_dtypes"] == {"Linear": [dtype], "LayerNorm": [dtype]}, rank
@@ -220,6 +223,7 @@ def test_fsdp_x_pp_x_tp_on_8_processes_follows_one_process_and_crosses_to_1d(run
         split = layer in plan and not (kind == "bias" and isinstance(plan[layer], RowwiseParallel))
         stage = next(i for i, layers in enumerate(stages) if name.split(".")[0] in layers)
         held[stage] += 4 * p.numel() / (2 if split else 1) / 2  # fp32, TP's half of a split one, FSDP's half
+    assert [rank["rank"] for rank in run["memory"]["per_rank"]] == list(range(8))  # every rank reported
     for rank in run["memory"]["per_rank"]:  # rank = (replica x 2 + pipeline rank) x 2 + TP rank
         assert rank["param_bytes"] == held[rank["rank"] // 2 % 2], rank
     assert_resumed(runs / "3d-from-1d", 18, printed(runs / "3d-from-1d"), source=runs / "ref")
