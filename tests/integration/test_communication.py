@@ -1,6 +1,6 @@
 """The collectives on real processes (gloo): the hand-written ring all-reduce against dist.all_reduce and inside
 DDP, and each strategy's traffic per step, predicted by the planner (planner/predict.py), against what the
-profiler saw."""
+profiler saw, with gradient accumulation too (the reductions once per optimizer step)."""
 
 import json
 
@@ -30,6 +30,16 @@ TRAFFIC_RUNS = {
     "vit-tp-sp": ("tp", ["--model", "vit", "--sequence-parallel"], 2),
     "vit-fsdp-x-tp-sp": ("tp", ["--model", "vit", "--sequence-parallel", "--dp", "2"], 4),
 }
+ACCUMULATE = ["--grad-accum-steps", "4"]  # TRAFFIC's 32 samples: chunks of 2 per rank, of 4 per FSDP x TP replica
+# {TRAFFIC_RUNS name: (what reduces the gradients, what each accumulation chunk runs again)}, run again with
+# ACCUMULATE: the reductions once per optimizer step (their calls and elements those of the run without it), the
+# FSDP units' all-gathers before every chunk's forward and backward, and TP's all-reduces of every chunk's activations
+ACCUMULATED = {
+    "ddp": (["all_reduce"], []),  # a bucket's all-reduce on the last chunk's backward only (no_sync before it)
+    "fsdp-full": (["reduce_scatter"], ["all_gather"]),
+    "fsdp-hybrid": (["reduce_scatter", "all_reduce"], ["all_gather"]),  # the all-reduce: over the 2 replicas
+    "fsdp-x-tp": (["reduce_scatter"], ["all_gather", "all_reduce"]),  # the reduce-scatter: over "dp"
+}
 
 POOLED = {
     # (a ring of 2 is either world's even ranks, the sub-group each checks)
@@ -40,6 +50,11 @@ POOLED = {
     **{
         f"traffic-{name}": Run(strategy, [*TRAFFIC, *flags], nproc=n)
         for name, (strategy, flags, n) in TRAFFIC_RUNS.items()
+    },
+    **{
+        f"traffic-{name}-accumulated": Run(strategy, [*TRAFFIC, *flags, *ACCUMULATE], nproc=n)
+        for name, (strategy, flags, n) in TRAFFIC_RUNS.items()
+        if name in ACCUMULATED
     },
 }
 
@@ -72,11 +87,15 @@ def test_ddp_through_the_ring_is_on_the_builtin_curve(runs):
 def test_the_ring_carries_the_gradients(runs):
     """In the profiled steps' backward, DDP's buckets travel as the ring's point-to-point sends (2 (n - 1) = 6 per
     bucket on 4 ranks) and no all-reduce runs there; with the built-in one, all-reduces and no sends."""
-    for rank in read_run(runs / "ring")["profile"]["per_rank"]:
+    per_rank = read_run(runs / "ring")["profile"]["per_rank"]
+    assert len(per_rank) == 4  # (a rank that reported nothing would pass the loop)
+    for rank in per_rank:
         backward = rank["collectives"]["backward"]
         assert "gloo:all_reduce" not in backward and backward["gloo:send"] == backward["gloo:recv"] > 0, backward
         assert backward["gloo:send"] % 6 == 0
-    for rank in read_run(runs / "builtin")["profile"]["per_rank"]:
+    per_rank = read_run(runs / "builtin")["profile"]["per_rank"]
+    assert len(per_rank) == 4
+    for rank in per_rank:
         backward = rank["collectives"]["backward"]
         assert backward.get("gloo:all_reduce", 0) > 0 and "gloo:send" not in backward, backward
 
@@ -110,6 +129,42 @@ def test_predicted_traffic_is_what_the_profiler_saw(runs, name, untrained):
         "vit-fsdp-x-tp-sp": {"all_gather", "reduce_scatter", "all_reduce"},
     }
     assert kinds == expected[name]
+
+
+@pytest.mark.parametrize("name", ACCUMULATED)
+def test_accumulation_reduces_once_per_step(runs, name, untrained):
+    """With --grad-accum-steps 4 the gradients are reduced once per optimizer step, on the last chunk's backward
+    (DDP's no_sync, FSDP's set_requires_gradient_sync): per rank, the reductions' calls and elements the profiler
+    counted are those of the same step without accumulation, and their elements what the planner predicts for both;
+    the all-gathers and TP's activation all-reduces run once per chunk: 4 times the calls (the all-gathers 4 times
+    the elements, TP's all-reduces the same elements, each of a quarter of the samples)."""
+    for run_name in (f"traffic-{name}", f"traffic-{name}-accumulated"):
+        if run_name in untrained:
+            pytest.skip(untrained[run_name])
+    strategy, flags, n = TRAFFIC_RUNS[name]
+    reductions, per_chunk = ACCUMULATED[name]
+    plain, accumulated = (read_run(runs / f"traffic-{name}{suffix}") for suffix in ("", "-accumulated"))
+    assert accumulated["config"]["grad_accum_steps"] == 4 and plain["config"]["grad_accum_steps"] == 1
+    once, chunked = (parse_config(strategy, [*TRAFFIC, *flags, *more], world_size=n) for more in ([], ACCUMULATE))
+    assert len(plain["profile"]["per_rank"]) == len(accumulated["profile"]["per_rank"]) == n
+    for rank, (seen_once, seen) in enumerate(zip(plain["profile"]["per_rank"], accumulated["profile"]["per_rank"])):
+        predicted_once, predicted = traffic(once, n, rank), traffic(chunked, n, rank)  # planner/predict.py
+        counted_once, counted = seen_once["traffic"], seen["traffic"]
+        assert set(predicted) == set(counted) == set(counted_once) == {*reductions, *per_chunk}, rank
+        for kind in reductions:
+            assert predicted[kind]["elements"] == predicted_once[kind]["elements"], (rank, kind)
+            assert counted[kind]["elements"] == predicted[kind]["elements"] == counted_once[kind]["elements"], (
+                rank,
+                kind,
+                counted[kind],
+                counted_once[kind],
+            )
+            assert counted[kind]["calls"] == counted_once[kind]["calls"] > 0, (rank, kind, counted[kind])
+        for kind in per_chunk:
+            scale = 4 if kind == "all_gather" else 1  # (TP's activations: 4 chunks of a quarter of the samples)
+            assert predicted[kind]["elements"] == scale * predicted_once[kind]["elements"], (rank, kind)
+            assert counted[kind]["elements"] == predicted[kind]["elements"], (rank, kind)
+            assert counted[kind]["calls"] == 4 * counted_once[kind]["calls"] > 0, (rank, kind)
 
 
 def test_the_counted_traffic_timed_by_the_collective_benchmark(runs):
