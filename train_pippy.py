@@ -242,12 +242,11 @@ def train(cfg: Config, env: DistEnv) -> None:
             return  # stopped by a preemption signal, with this step's checkpoint
 
     run_eval(steps)
-    stage_layers = [list(piece._modules) for piece in pieces]
-    bubble = actions.report(
-        cfg.out, layout=layout, logs=is_logger, first_step=start_step + 1, stage_layers=stage_layers
-    )
+    layers = [list(piece._modules) for piece in pieces]  # each stage's, for the timeline
+    bubble = actions.report(cfg.out, layout=layout, logs=is_logger, first_step=start_step + 1, stage_layers=layers)
     evaluation = "stage by stage (send/recv)" if layout.local_handoff else "schedule.eval()"
     pipeline = {**layout.describe(), "logging_rank": env.rank, "bubble": bubble, "evaluation": evaluation}
+    pipeline["schedule_class"] = type(schedule).__name__  # the class that ran (bubble["orders"]: what it ran)
     recorder.finish(pipeline=pipeline, mesh=dict(zip(mesh.mesh_dim_names, mesh.shape)))
 
 

@@ -4,8 +4,10 @@
 training action -- forward (F), full backward (B) or its input part (I), weight gradient (W) of a micro-batch
 -- with its start and end on this rank. From those intervals come run.json's bubble section, <out>/bubble.jsonl
 (busy and idle seconds per step and rank) and <out>/timeline.json (the last step's actions, which
-`python -m tools.timeline` draws); while --profile-steps is on each action is also a span in the trace
-("forward stage 1 mb 2"). How to read the numbers: docs/pipeline.md, "The bubble".
+`python -m tools.timeline` draws); both hold the order each rank ran them in ("orders", "0F1" for stage 0's forward
+of micro-batch 1), what the schedule that ran did, to set against what the configured one prescribes. While
+--profile-steps is on each action is also a span in the trace ("forward stage 1 mb 2"). How to read the numbers:
+docs/pipeline.md, "The bubble".
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class StageActions:
         self.last: list[tuple[int, str, int, float, float]] = []
         self.window_start, self.last_window = 0.0, (0.0, 0.0)
         self.windows: list[tuple[float, float]] = []  # per step: (busy_s, window_s)
+        self.same_order = True  # whether every step ran its actions in the same order as the one before
         # (stage, kind) -> [seconds, count]: the first step apart, because it also sets the pipeline up
         self.first_cost: dict[tuple[int, str], list[float]] = defaultdict(lambda: [0.0, 0])
         self.cost: dict[tuple[int, str], list[float]] = defaultdict(lambda: [0.0, 0])
@@ -76,6 +79,8 @@ class StageActions:
         for stage, kind, _, start, stop in self.current:
             cost[stage, kind][0] += stop - start
             cost[stage, kind][1] += 1
+        if len(self.windows) > 1:  # (a comparison of tuples per action: cheap beside the actions themselves)
+            self.same_order &= [a[:3] for a in self.current] == [a[:3] for a in self.last]
         self.last, self.last_window = self.current, (self.window_start, end)
 
     def report(
@@ -88,11 +93,11 @@ class StageActions:
             f"{stage}{kind}": total / n for (stage, kind), (total, n) in sorted((self.cost or self.first_cost).items())
         }
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (self.windows, self.last, self.last_window, costs))
+        dist.all_gather_object(gathered, (self.windows, self.last, self.last_window, costs, self.same_order))
         if not logs:
             return None
         # replica 0's pipeline ranks (rank = (replica x pp_size + pp_rank) x tp + tp_rank), each its TP rank 0's
-        windows, lasts, last_windows, costs = (
+        windows, lasts, last_windows, costs, same_order = (
             list(x) for x in zip(*gathered[: layout.pp_size * layout.tp : layout.tp])
         )
         with open(os.path.join(out_dir, "bubble.jsonl"), "w") as f:  # per step, index = pipeline rank
@@ -101,6 +106,7 @@ class StageActions:
                 f.write(json.dumps({"step": first_step + i, "busy_s": busy, "idle_s": idle}) + "\n")
         orders = [[(stage, kind, mb) for stage, kind, mb, _, _ in actions] for actions in lasts]
         bubble = bubble_report(windows, orders, costs, layout=layout)
+        bubble["orders_step"], bubble["same_order_every_step"] = first_step + len(self.windows) - 1, all(same_order)
         # Times from the earliest rank's start of the step (one machine shares one monotonic clock; across
         # machines the rows may be shifted by clock offsets).
         origin = min(start for start, _ in last_windows)
@@ -112,6 +118,7 @@ class StageActions:
             "n_microbatches": layout.n_microbatches,
             "stage_layers": stage_layers,
             "bubble": {key: bubble[key] for key in ("measured", "theory")},
+            "orders": bubble["orders"],  # each rank's actions in the order they ran ("0F1"), as in run.json
             "window_s": [[shift(start), shift(end)] for start, end in last_windows],
             "actions": [
                 [{"stage": s, "kind": k, "mb": mb, "start": shift(t0), "end": shift(t1)} for s, k, mb, t0, t1 in acts]
@@ -123,6 +130,12 @@ class StageActions:
         os.replace(os.path.join(out_dir, "timeline.json.tmp"), os.path.join(out_dir, "timeline.json"))
         print(bubble_summary(bubble), flush=True)
         return bubble
+
+
+def action_name(action: Action) -> str:
+    """'0F1' for (0, "F", 1): stage, kind, micro-batch, as torch.distributed.pipelining writes a schedule's actions."""
+    stage, kind, mb = action
+    return f"{stage}{kind}{mb}"
 
 
 def bubble_summary(report: dict) -> str:
@@ -226,6 +239,9 @@ def bubble_report(
         "formula_value": value,
         "expected_from_stage_times": simulate_bubble(orders, lambda stage, kind: measured_cost[f"{stage}{kind}"]),
         "busy_fraction_per_rank": [b / w for b, w in zip(busy, window)],
+        # what ran: per pipeline rank, the last step's actions in their order ("0F1": stage 0, forward, micro-batch
+        # 1; B full backward, I and W its input and weight parts), every schedule.step() of the step in turn
+        "orders": [[action_name(action) for action in order] for order in orders],
         "seconds_per_action": measured_cost,
         "steps_measured": len(steps),
         "p": p,
@@ -236,5 +252,6 @@ def bubble_report(
         "of a step to the end of its loss all-reduce. theory = the idle share of the same "
         "action order with balanced stages (forward 1, backward 2, input/weight backward 1 "
         "each); expected_from_stage_times = the same with each action's measured mean time, "
-        "i.e. the bubble that stage imbalance alone explains.",
+        "i.e. the bubble that stage imbalance alone explains. orders = each pipeline rank's actions of "
+        "step orders_step in the order they ran (same_order_every_step: every step ran them so).",
     }
