@@ -1,5 +1,9 @@
 """The pipeline's plan without processes: which flag combinations the checks accept, where each stage lives,
-and the bubble simulator against the textbook formula."""
+the order each schedule prescribes (what test_pippy.py sets the recorded orders against), and the bubble simulator
+against the textbook formula."""
+
+from collections import defaultdict
+from itertools import combinations
 
 import pytest
 
@@ -10,7 +14,7 @@ from common.pipeline_layout import PipelineLayout
 from common.versions import NEEDS_V
 from runner.layout import check_layout
 from tests.helpers import PP_PARITY, needs_torch
-from tests.integration.test_pippy import DP2, MATRIX, PART1, STAGES_PER_RANK
+from tests.integration.test_pippy import DP2, MATRIX, PART1, STAGES_PER_RANK, TORCH_CLASS, prescribed_orders
 
 
 @needs_torch(NEEDS_V)  # they name the V schedules and --tp (2.12 both)
@@ -37,15 +41,33 @@ def test_stage_placement_covers_every_stage_once(schedule):
         assert layout.owner(7) == 0  # V placement: the last stage, with the loss, is on rank 0
 
 
+@needs_torch(NEEDS_V)  # (the V schedules' classes)
+@pytest.mark.parametrize("m", [4, 8])
+def test_every_schedule_prescribes_each_action_once_and_no_two_alike(m):
+    """On 4 ranks: each rank runs only the stages the layout gives it, every stage a forward and a backward (or its
+    input and weight parts) of every micro-batch once, in an order the simulator can run; no two schedules alike."""
+    prescribed = {}
+    for schedule, v in STAGES_PER_RANK.items():
+        if schedule == "dualpipev" and m < 2 * 4:
+            continue  # (it needs as many micro-batches as its 8 stages)
+        orders = prescribed[schedule] = prescribed_orders(schedule, p=4, v=v, m=m)
+        layout = PipelineLayout(schedule, dp=1, pp_size=4, stages_per_rank=v, n_microbatches=m)
+        for rank, order in enumerate(orders):
+            assert {stage for stage, _, _ in order} == set(layout.stages_of(rank)), (schedule, rank)
+            kinds = defaultdict(str)  # (stage, micro-batch): its actions' kinds
+            for stage, kind, mb in order:
+                kinds[stage, mb] += kind
+            assert set(kinds) == {(stage, mb) for stage in layout.stages_of(rank) for mb in range(m)}
+            # a forward, then a full backward or (zero bubble) its input part and later its weight part
+            assert set(kinds.values()) <= {"FB", "FIW"}, (schedule, rank)
+        assert 0 <= simulate_bubble(orders, lambda stage, kind: BALANCED_COST[kind]) < 1
+    assert set(prescribed) <= set(TORCH_CLASS) and len(prescribed) >= 6
+    for a, b in combinations(prescribed, 2):
+        assert prescribed[a] != prescribed[b], (a, b)
+
+
 @pytest.mark.parametrize("p,m", [(2, 1), (4, 4), (4, 8), (3, 5)])
 def test_simulated_gpipe_and_1f1b_give_the_textbook_bubble(p, m):
-    gpipe = [[(r, "F", i) for i in range(m)] + [(r, "B", i) for i in range(m)] for r in range(p)]
-    one_f_one_b = []
-    for r in range(p):
-        warmup = min(p - 1 - r, m)
-        order = [(r, "F", i) for i in range(warmup)]
-        for i in range(m - warmup):
-            order += [(r, "F", warmup + i), (r, "B", i)]
-        one_f_one_b.append(order + [(r, "B", i) for i in range(m - warmup, m)])
-    for orders in (gpipe, one_f_one_b):
+    for schedule in ("gpipe", "1f1b"):
+        orders = prescribed_orders(schedule, p=p, v=1, m=m)
         assert simulate_bubble(orders, lambda stage, kind: BALANCED_COST[kind]) == pytest.approx((p - 1) / (m + p - 1))
