@@ -10,6 +10,7 @@
 #                (default 0; 3 with NNODES=MIN:MAX)
 #   RDZV_LAST_CALL_S, RDZV_KEEP_ALIVE_S  elastic only: how long a started group waits for more machines
 #                (default 10 s), and the heartbeat interval (default 5 s; a machine is dead after 3 missed)
+#   RDZV_JOIN_TIMEOUT_S  elastic only: how long an agent waits for MIN machines before it gives up (default 600 s)
 #   PYTHON       the Python that has torch (default: .venv/bin/python if present, else python3)
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -18,6 +19,10 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # the scripts set their own thread
 NNODES=${NNODES:-1}
 if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+if ! command -v "$PYTHON" >/dev/null; then  # (bad input: one line and exit 2, not bash's 127)
+  echo "error: PYTHON=$PYTHON: no such program; set PYTHON to the Python that has torch (pip install -r requirements.txt)" >&2
+  exit 2
 fi
 
 if [[ $NNODES =~ ^([0-9]+):([0-9]+)$ ]]; then
@@ -34,8 +39,8 @@ else
   echo "error: NNODES=$NNODES must be a number of machines (NNODES=2) or a range for elastic training (NNODES=1:2)" >&2
   exit 2
 fi
-RDZV_LAST_CALL_S=${RDZV_LAST_CALL_S:-10} RDZV_KEEP_ALIVE_S=${RDZV_KEEP_ALIVE_S:-5}
-for var in NPROC MAX_RESTARTS RDZV_LAST_CALL_S RDZV_KEEP_ALIVE_S; do
+RDZV_LAST_CALL_S=${RDZV_LAST_CALL_S:-10} RDZV_KEEP_ALIVE_S=${RDZV_KEEP_ALIVE_S:-5} RDZV_JOIN_TIMEOUT_S=${RDZV_JOIN_TIMEOUT_S:-600}
+for var in NPROC MAX_RESTARTS RDZV_LAST_CALL_S RDZV_KEEP_ALIVE_S RDZV_JOIN_TIMEOUT_S; do
   least=1; [[ $var == MAX_RESTARTS ]] && least=0
   if ! [[ "${!var}" =~ ^[0-9]+$ ]] || (( ${!var} < least )); then
     echo "error: $var=${!var} must be a whole number of at least $least" >&2
@@ -103,7 +108,7 @@ else
     # others' workers fail at their next collective and their agents restart without it once its heartbeats
     # (every RDZV_KEEP_ALIVE_S) have stopped for 3 intervals: until then it still counts as a member. The
     # machine that hosts the store is the exception: without it the others stop (runner/supervise.py says so).
-    RDZV_CONF+=("join_timeout=${RDZV_JOIN_TIMEOUT_S:-600}" "last_call_timeout=$RDZV_LAST_CALL_S" "close_timeout=10"
+    RDZV_CONF+=("join_timeout=$RDZV_JOIN_TIMEOUT_S" "last_call_timeout=$RDZV_LAST_CALL_S" "close_timeout=10"
                 "keep_alive_interval=$RDZV_KEEP_ALIVE_S")
     # A machine that joins a running group would wait for ever for the rendezvous' MASTER_ADDR: an agent
     # that already ran a round keeps its first round's store address and does not publish it again (torch

@@ -138,7 +138,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         if meta and (finished := finished_line(cfg, meta)):
             print(finished)
             raise SystemExit(NOTHING_TO_DO)
-        if not meta and move_aside and (moved := set_aside(cfg.out)):  # (train_*.py does it when run directly)
+        # a new run moves a previous one aside (train_*.py does it when run directly); but not for --resume where no
+        # checkpoint has a readable meta.json: the workers verify each and refuse in one line (exit 2), never a silent
+        # fresh start, which moving the run aside here would be
+        unreadable = cfg.resume and not meta and complete_checkpoints(cfg.out)
+        if not meta and not unreadable and move_aside and (moved := set_aside(cfg.out)):
             print(moved_line(cfg.out, moved))
     except (ConfigError, DataMissingError) as e:
         fail(str(e))
