@@ -23,6 +23,7 @@ import pytest
 from runner.preflight import latest_meta
 from runner.supervise import children
 from tests.helpers import (
+    KINK,
     PARITY,
     PARITY_STEPS,
     ROOT,
@@ -105,9 +106,11 @@ def kill_machine(agent: subprocess.Popen) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-# |Δloss| and relative |Δgrad_norm| against one process: ~10x the 4.0e-6 and 5.2e-5 measured over 60 steps of
-# a batch of 96 (over these 30 steps, 1 -> 2 and 2 -> 1 processes: 2.4e-7 and 6.8e-8)
-FOLLOWS = {"loss": 4e-5, "grad_norm": 5e-4}
+# |Δloss| and relative |Δgrad_norm| against one process: ~10x the 2.4e-7 and 6.8e-7 measured over these 30 steps (at
+# most, of 1 -> 2 processes from step 12 and 2 -> 1 from step 10, three times each, the same numbers each time; 2-core
+# AMD EPYC Zen 4, torch 2.14.1, 2026-12-03). From step 29 on, the 4e-5 and 5e-4 these checks allowed before: where on
+# a Zen 5 the DDP and FSDP runs' gradients crossed a ReLU's or the max pool's kink in one run only (helpers.KINK)
+FOLLOWS = {"loss": 2e-6, "grad_norm": 5e-6, "kink_from": KINK["kink_from"], "kinked": {"loss": 4e-5, "grad_norm": 5e-4}}
 
 
 def listening(port: int) -> bool:
@@ -201,6 +204,7 @@ def test_a_machine_dies_and_the_survivor_finishes(reference, tmp_path):
         ("run_fsdp.sh", {"NNODES": "2:1"}, "NNODES=2:1: MIN:MAX needs"),
         ("run_ddp.sh", {"NNODES": "1:2"}, "MASTER_ADDR is not set"),
         ("run_fsdp.sh", {"NNODES": "1:2", "RDZV_KEEP_ALIVE_S": "0.5"}, "RDZV_KEEP_ALIVE_S=0.5 must be a whole number"),
+        ("run_ddp.sh", {"NNODES": "1:2", "RDZV_JOIN_TIMEOUT_S": "10m"}, "RDZV_JOIN_TIMEOUT_S=10m must be a whole"),
         ("run_ddp.sh", {"NNODES": "1:2", "MASTER_ADDR": "127.0.0.1", "NODE_RANK": "first"}, "NODE_RANK='first': with"),
         (
             "run_ddp.sh",
@@ -237,7 +241,9 @@ def test_node_rank_0_hosts_the_store_and_its_death_is_one_line(tmp_path):
         kill_machine(hosts)
         with contextlib.suppress(subprocess.TimeoutExpired):
             joins.wait(timeout=120)  # a deadline: its agent finds the store gone within a second or two
-        assert joins.returncode not in (None, 0), logs[0].read_text()[-4000:]
+        # not bad input but a run that cannot go on: torchrun's own exit code for its agent's lost store (1, an
+        # uncaught RendezvousConnectionError), which the runner passes on (runner/supervise.py)
+        assert joins.returncode == 1, (joins.returncode, logs[0].read_text()[-4000:])
     finally:
         kill_machine(joins)
         if hosts:

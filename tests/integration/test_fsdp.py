@@ -56,10 +56,14 @@ LONG = [*PARITY, "--checkpoint-every", "15"]
 # the other runs compare their first 10 steps: after the 4 warm-up steps the rate is constant, so they are the
 # reference's prefix, and a mode that shards, gathers or reduces wrongly is off from the first step
 TEN = ["--max-steps", "10"]
-# |Δloss| and relative |Δgrad_norm| against one process: AdamW measured 7.7e-7 and 8.9e-6 (2.4e-7 and 1.4e-7 at
-# PARITY's batch of 48, on a Xeon), and 3.6e-6 and 1.9e-4 where a kink fell in one run only (helpers.KINK;
-# test_ddp.py's FOLLOWS; SGD's: helpers.SGD_FOLLOWS)
-FOLLOWS = {"loss": 1e-5, "grad_norm": KINK}
+# |Δloss| and relative |Δgrad_norm| against one process, AdamW: ~10x the 7.2e-7 and 9.2e-6 measured before step 29
+# in every comparison that reads it (the clipped modes', at steps 18 and 20; 2-core AMD EPYC Zen 4, torch 2.14.1,
+# 2026-12-03), and from step 29 on helpers.KINK's, where on a Zen 5 a ReLU's or the max pool's input crossed its kink
+# in one run only (1.1e-6 and 2.2e-6 here at steps 29-30, no kink)
+FOLLOWS = {"loss": 5e-6, "grad_norm": 5e-5, **KINK}
+# SGD's 10 steps, each with an option that must not change the numbers (SGD_EXTRA): ~10x the 2.4e-7 and 1.1e-7
+# measured (the same machine and day); all before step 16, where helpers.SGD_FOLLOWS allows a kink
+SGD_TEN = {"loss": 2e-6, "grad_norm": 1e-6}
 
 
 # the run a worker is killed in during a save, through run_fsdp.sh on 2 processes: 20 steps, a checkpoint every 5
@@ -178,7 +182,7 @@ def test_every_sharding_mode_matches_one_process_sgd(runs, mode):
     # the tolerance means something only where the reference itself is stable at that tolerance
     assert_follows(runs["sgd_1thread"], runs["sgd"], **SGD_FOLLOWS)
     assert len(losses(runs[f"sgd_{mode}"])) == 10
-    assert_follows(runs[f"sgd_{mode}"], runs["sgd"], **SGD_FOLLOWS)
+    assert_follows(runs[f"sgd_{mode}"], runs["sgd"], **SGD_TEN)
 
 
 def test_ranks_start_from_the_same_weights_but_draw_their_own_dropout_masks(runs):
@@ -254,7 +258,9 @@ def test_a_four_rank_checkpoint_resumes_on_fewer_ranks(runs, world_size):
         assert_resumed(out, 15, runs["on1 printed"])
         train, full = read_metrics(out)[0], read_metrics(runs["adamw_full"])[0]
         assert sorted(train) == list(range(16, 31))
-        assert max(abs(train[s]["loss"] - full[s]["loss"]) for s in range(16, 31)) <= FOLLOWS["loss"]
+        for s in range(16, 31):  # (2.4e-7 measured; from step 29 on, KINK's)
+            allowed = FOLLOWS["loss"] if s < FOLLOWS["kink_from"] else FOLLOWS["kinked"]["loss"]
+            assert abs(train[s]["loss"] - full[s]["loss"]) <= allowed, (s, train[s]["loss"], full[s]["loss"])
     assert read_run(out)["world_size"] == world_size
 
 
@@ -351,7 +357,8 @@ def test_runner_rejects_bad_input_with_one_line(flags, env, named, tmp_path):
         timeout=60,
     )
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode != 0 and len(lines) == 1 and lines[0].startswith("error:") and named in lines[0], proc.stderr
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error:") and named in lines[0], proc.stderr
     assert not (tmp_path / "out").exists()
 
 

@@ -1,12 +1,13 @@
 """The memory planner against real runs: at the trainable sizes (BabyCNN's and the ViT's `baby`) at 1 to 4
 processes, every rank of a DDP, an FSDP (a unit per layer), a 1F1B, a TP and an FSDP x TP run holds exactly the state
 bytes the planner says (run.json's param, grad and optimizer bytes), and its measured peak (--measure-peak, the
-launch's second step) is within 15 % of the planned one (a pipeline rank's, of the planned range: gloo may still hold
-the activation it sent), counted from its tensors, and within 20 % as the C allocator itself saw it. The same planned
-steps, counted (planner/count.py), do the model's FLOPs by its sizes and move the bytes planner/predict.py predicts,
-per rank and kind of collective, for every strategy and mode. The same checks at the larger sizes (12.7 M and
-201.6 M parameters) are the heavy tier's: test_plan_sizes.py. The steps the selected tests plan are planned ahead, in
-a background process (tests/integration/plans_ahead.py)."""
+launch's second step) is within 2 % of the planned one (FSDP's within 15 %: when a real collective lets go of its
+buffers is timing; a pipeline rank's, of the planned range: gloo may still hold the activation it sent), counted from
+its tensors, and within 20 % as the C allocator itself saw it. The same planned steps, counted (planner/count.py), do
+the model's FLOPs by its sizes and move the bytes planner/predict.py predicts, per rank and kind of collective, for
+every strategy and mode. The same checks at the larger sizes (12.7 M and 201.6 M parameters) are the heavy tier's:
+test_plan_sizes.py. The steps the selected tests plan are planned ahead, in a background process
+(tests/integration/plans_ahead.py)."""
 
 import json
 import sys
@@ -43,9 +44,23 @@ VARIANTS = {
     "vit-fsdp-ac": ("fsdp", ["--model", "vit", "--shard-units", "blocks", "--activation-checkpointing"], (1, 2, 4)),
     "vit-pippy": ("pippy", ["--model", "vit", "--n-microbatches", "4"], (1, 2, 4)),
 }
-PEAK_TOLERANCE = 0.15
+# A real run's peak, counted from its tensors, against the plan at `baby`: ~10x the 0.21 % measured at most where the
+# count is the same bytes every run (DDP, TP, the pipelines; TP's within 0.03 %; 2-core AMD EPYC Zen 4, torch 2.14.1,
+# 2026-12-03, two runs of each)
+PEAK_TOLERANCE = 0.02
+# but for one rank, also the same every run: the last of BabyCNN's 4 pipeline stages peaked 8.8 % below its plan
+# (931,976 bytes against 1,022,088)
+PEAK_TOLERANCE_OF = {("pippy", 4, 3): 0.1}
+# FSDP's runs peak where a real collective lets go of its buffers, later than a fake one, by timing: BabyCNN's, a unit
+# per layer on 3 ranks, peaked 10.7 % above its plan on rank 2 in one run, 0.04 % in the other (the same machine and
+# day). The heavy tier's sizes (test_plan_sizes.py, not measured again) keep it for every variant: at `small` FSDP
+# and FSDP x TP peaked up to 11 % above (docs/memory.md).
+FSDP_VARIANTS = ("fsdp", "fsdp-x-tp", "vit-fsdp", "vit-fsdp-ac")
+TIMED_PEAK_TOLERANCE = 0.15
 # the C allocator's own count (glibc's bytes in use, run.json's allocator_peak_bytes) also holds what torch's kernels
-# allocate for themselves, which no tensor shows: measured here within 0.87 to 1.15 of the planned range
+# allocate for themselves, which no tensor shows, and a pipeline stage's gloo buffers may be gone before the count's
+# peak: measured within 0.836 (the third of BabyCNN's 4 stages) to 1.035 (DDP) of the planned range at `baby` (the
+# same machine and day), 0.87 to 1.15 with the heavy tier's sizes (2026-11-24)
 ALLOCATOR_TOLERANCE = 0.2
 # the memory wall's closed form (runner/memory.py: the preflight cannot plan with torch) against the planner
 CLOSED_FORM_TOLERANCE = 0.25
@@ -112,14 +127,22 @@ def check_real_runs(plans: Plans, runs: Path, size: str, variant: str, nprocs: t
             measured["grad_bytes"],
             measured["optim_bytes"],
         ), where
-        # the peak of a step: the same count over a fake step and a real one, within 15 %; a pipeline rank's
-        # within 15 % of the range its backend's timing allows (a sent activation held, or already let go)
+        # the peak of a step: the same count over a fake step and a real one, within 2 % at `baby` but for FSDP's
+        # (peak_tolerance); a pipeline rank's, of the range its backend's timing allows (a sent activation held, or
+        # already let go)
         low, high = planned.peak_bytes, planned.peak_bytes + planned.in_flight_bytes
-        peak = measured["peak_bytes"]
-        assert (1 - PEAK_TOLERANCE) * low <= peak <= (1 + PEAK_TOLERANCE) * high, (where, low, high, peak)
+        peak, within = measured["peak_bytes"], peak_tolerance(size, variant, p.world_size, p.rank)
+        assert (1 - within) * low <= peak <= (1 + within) * high, (where, low, high, peak)
         # and the memory the process really used: the peak as the C allocator saw it, not counted from tensors
         used = measured["allocator_peak_bytes"]
         assert (1 - ALLOCATOR_TOLERANCE) * low <= used <= (1 + ALLOCATOR_TOLERANCE) * high, (where, low, high, used)
+
+
+def peak_tolerance(size: str, variant: str, world_size: int, rank: int) -> float:
+    """How far a real run's peak may be from its plan, a fraction of it."""
+    if size != "baby" or variant in FSDP_VARIANTS:
+        return TIMED_PEAK_TOLERANCE
+    return PEAK_TOLERANCE_OF.get((variant, world_size, rank), PEAK_TOLERANCE)
 
 
 # Beyond the real runs' configurations, every other mode whose collectives differ: {name: (strategy, flags, ranks)}
