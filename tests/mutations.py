@@ -1,22 +1,33 @@
-"""Mutation checks: remove a feature, and the tests that name it must fail. Run by hand (minutes each), not by
-pytest or CI:
+"""Mutation checks: remove a feature, and a test that names it must fail on an assertion. Minutes each:
 
     python -m tests.mutations                 # every mutation, then a table
     python -m tests.mutations ring resume     # some of them
+    python -m tests.mutations --ci            # CI_SUBSET: each strategy and the cross-cutting ones (.ci/run)
 
-Each mutation replaces one piece of the sources (it must occur exactly once) in a copy of this checkout, runs the
-tests that should notice with `pytest -x`, and reports "caught" if they failed, "MISSED" if they passed.
+Each mutation replaces one piece of the sources (it must occur exactly once) in a copy of this checkout and runs
+the tests that should notice, with this module as a pytest plugin (`-p tests.mutations`) that records how each
+test ended. "caught": a selected test failed on an assertion in its body (an AssertionError, pytest.fail, a
+pytest.raises that saw nothing raised); the run stops there. "ERROR": none did, and something else went wrong: no
+test selected, a collection error, an error in a fixture or a shared launch (a mutant whose training crashes is
+not caught by the test that reads it), another exception in a test. "MISSED": the selected tests passed. An ERROR
+or a MISSED fails the tool (exit 1).
 """
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,6 +54,12 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         'enabled=cfg.precision != "fp32")',
         "enabled=False)",
         ["tests/integration/test_tp.py", "-k", "bf16"],
+    ),
+    "ddp-bf16": (  # DDP's training forward without autocast: --precision bf16 computes in fp32
+        "train_ddp.py",
+        'with autocast(cfg, env.device), recorder.span("forward"):',
+        'with recorder.span("forward"):',
+        ["tests/integration/test_essentials.py", "-k", "ddp_bf16"],
     ),
     "fsdp-mixed-precision": (  # the root's policy (BabyCNN's only unit by default)
         "train_fsdp.py",
@@ -98,6 +115,24 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "loss = F.cross_entropy(model(x), y)",
         ["tests/integration/test_ddp.py", "-k", "accumulation"],
     ),
+    "accumulation-sync-ddp": (  # every chunk's backward all-reduces: the same loss, 4 times the reductions
+        "train_ddp.py",
+        "with nullcontext() if is_last else model.no_sync():",
+        "with nullcontext():",
+        ["tests/integration/test_communication.py", "-k", "accumulat and ddp"],
+    ),
+    "accumulation-sync-fsdp": (  # every chunk's backward reduce-scatters (and HSDP's all-reduces)
+        "train_fsdp.py",
+        "model.set_requires_gradient_sync(is_last)",
+        "model.set_requires_gradient_sync(True)",
+        ["tests/integration/test_communication.py", "-k", "accumulat and fsdp and not tp"],
+    ),
+    "accumulation-sync-tp": (  # FSDP x TP: every chunk's backward reduce-scatters over "dp"
+        "train_tp.py",
+        "model.set_requires_gradient_sync(i == cfg.grad_accum_steps - 1)",
+        "model.set_requires_gradient_sync(True)",
+        ["tests/integration/test_communication.py", "-k", "accumulat and tp"],
+    ),
     "micro-batch-scale": (
         "train_pippy.py",
         "/ (cfg.n_microbatches * cfg.grad_accum_steps)",
@@ -146,7 +181,167 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "dp_mesh=dp",
         ["tests/integration/test_vit.py", "-k", "8_processes"],
     ),
+    "loss-mean": (  # the logged loss rank 0's own, not the mean over the ranks' shares of the global batch
+        "common/training.py",
+        "    dist.all_reduce(value, op=dist.ReduceOp.SUM)\n    return value.item() / dist.get_world_size()",
+        "    return value.item()",
+        ["tests/integration/test_ddp.py", "-k", "four_ranks_match_one_process_adamw"],
+    ),
+    "rank-slices": (  # every rank trains on rank 0's slice of the global batch
+        "common/data.py",
+        "return self.global_batch(step)[rank * per_rank : (rank + 1) * per_rank]",
+        "return self.global_batch(step)[:per_rank]",
+        ["tests/unit/test_model_data_config.py", "tests/integration/test_ddp.py", "-k", "rank_slices or four_ranks"],
+    ),
+    "clip-fsdp": (  # the sum of squares of a DTensor's gradient not added over the mesh: each rank its shards' norm
+        "common/clipping.py",
+        "            dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=group)",
+        "            pass",
+        ["tests/integration/test_essentials.py", "-k", "clipped_runs_match_one_process and fsdp-full"],
+    ),
+    "clip-tp": (  # the same, seen by TP's clipped run: each rank the norm of its halves of the split layers
+        "common/clipping.py",
+        "            dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=group)",
+        "            pass",
+        ["tests/integration/test_vit.py", "-k", "every_strategy_follows_one_process and tp2"],
+    ),
+    "clip-stages": (  # the pipeline's norm not added over the stages: each stage clips by its own
+        "train_pippy.py",
+        "grad_norm = clip_grad_norm(params, cfg.max_grad_norm, groups=[pp_group], loss_scale=scaler.value)",
+        "grad_norm = clip_grad_norm(params, cfg.max_grad_norm, loss_scale=scaler.value)",
+        ["tests/integration/test_vit.py", "-k", "every_strategy_follows_one_process and pp4-1f1b"],
+    ),
+    "fp16-skip-agreement": (  # each rank skips on the gradients it holds (GradScaler's way), not the global norm
+        "common/fp16.py",
+        "self.used, self.skipped = self.value, not math.isfinite(grad_norm)",
+        "self.used, self.skipped = self.value, any(not (p.grad.to_local() if hasattr(p.grad, 'to_local') else "
+        "p.grad).isfinite().all() for g in (optimizer.param_groups if optimizer else []) for p in g['params'] "
+        "if p.grad is not None)",
+        ["tests/integration/test_fp16.py", "-k", "(skips_the_same_steps and pp-ovf) or one_ranks_overflow"],
+    ),
+    "reshard-optimizer": (  # a checkpoint of another world size loads the model only: AdamW's moments start over
+        "common/checkpoint.py",
+        'optimizers = self.optimizers if any(key.startswith("optim.state.") for key in keys) else []',
+        'optimizers = self.optimizers if meta["world_size"] == dist.get_world_size() and any('
+        'key.startswith("optim.state.") for key in keys) else []',
+        ["tests/integration/test_fsdp.py", "-k", "fewer_ranks"],
+    ),
+    "memory-wall": (  # no run refused, whatever it needs
+        "runner/memory.py",
+        "    if have is None or total <= have:\n        return\n",
+        "    return\n",
+        ["tests/unit/test_memory_wall.py"],
+    ),
+    "memory-wall-preflight": (  # the runners' preflight no longer asks the wall: torchrun starts what cannot fit
+        "runner/preflight.py",
+        "check_memory(cfg, nproc=per_machine, world_size=min(world_sizes), on_cpu=on_cpu)",
+        "pass",
+        ["tests/unit/test_preflight.py"],
+    ),
+    "schedule-gpipe": (  # --schedule gpipe runs 1F1B: the same gradients, another order of actions
+        "train_pippy.py",
+        '"gpipe": "ScheduleGPipe"',
+        '"gpipe": "Schedule1F1B"',
+        ["tests/integration/test_pippy.py", "-k", "schedule_that_ran"],
+    ),
+    "schedule-looped-bfs": (  # --schedule looped-bfs runs interleaved 1F1B
+        "train_pippy.py",
+        '"looped-bfs": "ScheduleLoopedBFS"',
+        '"looped-bfs": "ScheduleInterleaved1F1B"',
+        ["tests/integration/test_pippy.py", "-k", "schedule_that_ran"],
+    ),
+    "schedule-interleaved": (  # --schedule interleaved-1f1b runs looped BFS
+        "train_pippy.py",
+        '"interleaved-1f1b": "ScheduleInterleaved1F1B"',
+        '"interleaved-1f1b": "ScheduleLoopedBFS"',
+        ["tests/integration/test_pippy.py", "-k", "schedule_that_ran"],
+    ),
+    "pipeline-bf16": (  # the pipeline's schedule.step() without autocast: --precision bf16 computes in fp32
+        "train_pippy.py",
+        "with autocast(cfg, env.device):",
+        "with torch.autocast(env.device.type, enabled=False):",
+        ["tests/integration/test_pippy.py", "-k", "bf16"],
+    ),
+    "resume-unreadable": (  # the runner's preflight moves aside a run whose checkpoints' meta.json it cannot read
+        "runner/preflight.py",
+        "if not meta and not unreadable and move_aside",
+        "if not meta and move_aside",
+        ["tests/integration/test_ddp.py", "-k", "every_checkpoint_is_damaged"],
+    ),
 }
+
+
+# What `.ci/run` runs (`--ci`): each strategy (DDP, FSDP, TP, the pipeline) and the cross-cutting features, each
+# mutation one whose catching test reads an early, small launch: 7 min on 2 cores (tests/README.md)
+CI_SUBSET = (
+    *("memory-wall", "memory-wall-preflight", "rank-slices", "timeout-line"),  # (unit tests, one quick launch)
+    *("loss-mean", "cpu-offload", "sequence-parallel", "micro-batch-scale"),  # DDP, FSDP, TP, the pipeline
+    *("resume", "fp16-skip-agreement", "clip-fsdp"),
+)
+
+OUTCOMES = "MUTATION_OUTCOMES"  # where the plugin appends each test's outcome, one JSON line each
+
+
+def _record(**outcome: str) -> None:
+    if path := os.environ.get(OUTCOMES):
+        with open(path, "a") as f:
+            f.write(json.dumps(outcome) + "\n")
+
+
+def _message(excinfo: pytest.ExceptionInfo | None) -> str:
+    return excinfo.exconly().strip().splitlines()[0][:160] if excinfo else ""
+
+
+def _crashed(excinfo: pytest.ExceptionInfo) -> bool:
+    """tests.helpers.command_failed's AssertionError, what it printed in two sections: a command the test needed
+    to succeed exited otherwise. A crash, not an assertion on what the feature does."""
+    return "\n--- stdout\n" in str(excinfo.value) and "\n--- stderr\n" in str(excinfo.value)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """(The plugin's.) A failure in the test's body on an assertion is a catch, and ends the session; a failure
+    anywhere else (a fixture, a shared launch, another exception, a command the test runs crashing) is an error."""
+    report = (yield).get_result()
+    excinfo = call.excinfo
+    asserted = excinfo is not None and excinfo.errisinstance((AssertionError, pytest.fail.Exception))
+    asserted = asserted and not _crashed(excinfo)
+    if report.failed:
+        caught = report.when == "call" and asserted
+        _record(test=item.nodeid, outcome="failure" if caught else "error", when=report.when, message=_message(excinfo))
+        if caught:
+            item.session.shouldstop = "a test caught the mutation"
+    elif report.when == "call":
+        _record(test=item.nodeid, outcome=report.outcome, when="call", message="")
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if report.failed:
+        _record(test=report.nodeid, outcome="error", when="collect", message=str(report.longrepr).splitlines()[-1])
+
+
+@dataclass
+class Result:
+    verdict: str  # caught, MISSED or ERROR
+    test: str  # the test that caught it, or what went wrong
+    seconds: float
+    # of every process it started: what it costs the machine, when others share it and stretch `seconds`
+    cpu_seconds: float = 0.0
+
+
+def verdict(outcomes: list[dict], returncode: int, output: str) -> tuple[str, str]:
+    """(verdict, the test that caught it or what went wrong) from the plugin's records and pytest's exit status."""
+    ended = {kind: [o for o in outcomes if o["outcome"] == kind] for kind in ("failure", "error", "passed")}
+    if failure := next(iter(ended["failure"]), None):
+        return "caught", f"{failure['test']}: {failure['message']}"
+    if error := next(iter(ended["error"]), None):
+        return "ERROR", f"{error['test']} (an error in {error['when']}): {error['message']}"
+    last = output.strip().splitlines()[-1] if output.strip() else ""
+    if not ended["passed"]:
+        return "ERROR", f"no test ran (pytest exit {returncode}): {last}"
+    if returncode != 0:
+        return "ERROR", f"pytest exit {returncode}: {last}"
+    return "MISSED", f"the {len(ended['passed'])} selected tests passed"
 
 
 def copy_checkout(into: Path) -> None:
@@ -162,41 +357,94 @@ def copy_checkout(into: Path) -> None:
         (into / ".venv").symlink_to(ROOT / ".venv")
 
 
-def run(name: str) -> tuple[str, float]:
+def occurrences(name: str, root: Path = ROOT) -> int:
+    file, old, _, _ = MUTATIONS[name]
+    return (root / file).read_text().count(old)
+
+
+def _children_cpu() -> float:
+    """The CPU time of the processes this one started that have ended and been waited for."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def _adopt_orphans() -> None:
+    """Become the subreaper of what pytest starts (Linux): a launch stopped at the catch is killed whole, torchrun
+    with its workers, and the workers, reparented here instead of to init, are waited for, their CPU time counted."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def _reap_orphans(deadline_s: float = 30.0) -> None:
+    ends = time.monotonic() + deadline_s
+    while time.monotonic() < ends:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                time.sleep(0.1)  # (one still running)
+        except ChildProcessError:
+            return  # none left
+
+
+def run(name: str) -> Result:
     file, old, new, tests = MUTATIONS[name]
+    started, cpu = time.monotonic(), _children_cpu()
     with tempfile.TemporaryDirectory(prefix=f"mutant-{name}-") as tmp:
         copy = Path(tmp)
         copy_checkout(copy)
-        source = (copy / file).read_text()
-        assert source.count(old) == 1, f"{name}: {old!r} occurs {source.count(old)} times in {file}"
-        (copy / file).write_text(source.replace(old, new))
-        started = time.monotonic()
-        env = {**os.environ, "PYTHONPATH": str(copy)}
+        if (found := occurrences(name, copy)) != 1:  # (the sources changed since the first check)
+            return Result("ERROR", f"the text to replace occurs {found} times in {file}", 0.0)
+        (copy / file).write_text((copy / file).read_text().replace(old, new))
+        outcomes = copy / "outcomes.jsonl"
+        env = {**os.environ, "PYTHONPATH": str(copy), OUTCOMES: str(outcomes)}
         done = subprocess.run(
             # (the heavy tier too: a mutation is caught by any test that names it)
-            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "heavy or not heavy", *tests],
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.mutations"]
+            + ["-m", "heavy or not heavy", *tests],
             cwd=copy,
             env=env,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             text=True,
         )
-        verdict = "caught" if done.returncode != 0 else "MISSED"
-        failed = [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
-        return f"{verdict}: {failed[0] if failed else done.stdout.strip().splitlines()[-1]}", time.monotonic() - started
+        _reap_orphans()
+        records = [json.loads(line) for line in outcomes.read_text().splitlines()] if outcomes.exists() else []
+        result = Result(*verdict(records, done.returncode, done.stdout), time.monotonic() - started)
+        result.cpu_seconds = _children_cpu() - cpu
+        log = Path(tempfile.gettempdir()) / f"mutant-{name}.log"  # all pytest printed
+        log.write_text(done.stdout)
+        if result.verdict != "caught":  # its end, to see why
+            print("\n".join([*done.stdout.strip().splitlines()[-15:], f"(all of it in {log})"]), flush=True)
+        return result
 
 
-def main(names: list[str]) -> None:
-    unknown = set(names) - set(MUTATIONS)
-    if unknown:
-        raise SystemExit(f"error: unknown mutation(s) {', '.join(sorted(unknown))}; choose from {', '.join(MUTATIONS)}")
+def main(args: list[str]) -> None:
+    names = list(CI_SUBSET) if args == ["--ci"] else args
+    if unknown := [name for name in names if name not in MUTATIONS]:
+        raise SystemExit(f"error: unknown mutation(s) {', '.join(unknown)}; choose from {', '.join(MUTATIONS)}")
+    names = names or list(MUTATIONS)
+    # every text to replace checked first: one the sources no longer hold fails now, not after an hour of others
+    if stale := {name: n for name in names if (n := occurrences(name)) != 1}:
+        lines = (f"{name}: the text to replace occurs {n} times in {MUTATIONS[name][0]}" for name, n in stale.items())
+        raise SystemExit("error: " + "; ".join(lines))
+    _adopt_orphans()
     results = {}
-    for name in names or MUTATIONS:
-        results[name] = run(name)
-        print(f"{name}: {results[name][0]} ({results[name][1]:.0f} s)", flush=True)
-    print("\n| mutation | file | result |\n|---|---|---|")
-    for name, (result, _) in results.items():
-        print(f"| {name} | {MUTATIONS[name][0]} | {result} |")
-    if any(result.startswith("MISSED") for result, _ in results.values()):
+    for name in names:
+        results[name] = result = run(name)
+        print(
+            f"{name}: {result.verdict}: {result.test} ({result.seconds:.0f} s, {result.cpu_seconds:.0f} CPU-s)",
+            flush=True,
+        )
+    print("\n| mutation | file | verdict | the test that caught it (or what went wrong) | seconds | CPU-s |")
+    print("|---|---|---|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {MUTATIONS[name][0]} | {r.verdict} | {r.test} | {r.seconds:.0f} | {r.cpu_seconds:.0f} |")
+    print(
+        f"{sum(r.verdict == 'caught' for r in results.values())} of {len(results)} caught, "
+        f"{sum(r.seconds for r in results.values()) / 60:.1f} min"
+    )
+    if any(result.verdict != "caught" for result in results.values()):
         raise SystemExit(1)
 
 
