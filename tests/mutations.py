@@ -70,7 +70,10 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     "fsdp-unit-mixed-precision": (  # the blocks' policy
         "train_fsdp.py",
         "shard = dict(mesh=mesh, mp_policy=mixed, offload_policy=offload_policy)",
-        "shard = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(), offload_policy=offload_policy)",
+        # (fp32 inside the blocks, bf16 handed back to the root, which a plain MixedPrecisionPolicy() would not do:
+        # the root's bf16 input then meets fp32 weights and the training crashes instead of being caught)
+        "shard = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, output_dtype=param_dtype), "
+        "offload_policy=offload_policy)",
         ["tests/integration/test_vit.py", "-k", "recomputes"],
     ),
     "compile": (
@@ -157,16 +160,18 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "for sig in (signal.SIGTERM, signal.SIGUSR1):",
         ["tests/integration/test_interruptions.py", "-k", "ctrl_c_then"],
     ),
-    "tp-split": (
+    "tp-split": (  # every linear replicated whole on each TP rank (an empty plan would make apply_tp replicate the
+        # root itself, and its nested layers then crash: not a catch)
         "common/model.py",
         "return {name: style() for pair in pairs for name, style in zip(pair, (ColwiseParallel, RowwiseParallel))}",
-        "return {}",
+        'return {name: __import__("train_tp").ReplicateParallel() for pair in pairs for name in pair}',
         ["tests/integration/test_tp.py", "-k", "slice"],
     ),
     "vit-tp-split": (  # no block split: every TP rank holds the whole model, and still follows one process
         "common/vit.py",
         "        return plan\n",
-        "        return {}\n",
+        '        return {n: __import__("train_tp").ReplicateParallel() for n in plan'
+        ' if n.rsplit(".", 1)[-1] in "q k v proj fc1 fc2"}\n',
         ["tests/integration/test_vit.py", "-k", "share"],
     ),
     "sequence-parallel": (  # the flag ignored: the plain split, which still follows one process
