@@ -7,8 +7,9 @@ largest relative |grad_norm - reference grad_norm| (the pre-clip global gradient
 Runs whose data set, global batch, seed or model differ are refused (their curves are not comparable);
 `--force` compares them anyway and still prints the differences. Reads only metrics.jsonl and run.json.
 
-Beside the figure, compare.json (the PNG's name with .json) says what it drew, read back from its panels: each
-panel's title, its curves (the run each is, its number of points) and its bars per run.
+Beside the figure, compare.png.json (the figure's name with .json added, not in place of .png: `--out
+runs/x/run.png` must not overwrite runs/x/run.json) says what it drew, read back from its panels: each panel's
+title, its curves (the run each is, its number of points) and its bars per run.
 """
 
 from __future__ import annotations
@@ -288,7 +289,7 @@ def plot(runs: Sequence[Run], out: str, *, log_scale: bool) -> None:
     fig.tight_layout(rect=(0, 0.07, 1, 0.97))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=110)
-    with open(os.path.splitext(out)[0] + ".json", "w") as f:
+    with open(out + ".json", "w") as f:
         json.dump(drawn(fig), f, indent=1)
     plt.close(fig)
 

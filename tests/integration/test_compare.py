@@ -36,11 +36,11 @@ def test_run_all_writes_a_figure(run_all):
 
 
 def test_the_figure_draws_each_run_in_each_panel_with_every_point_it_logged(run_all):
-    """compare.json, what tools.compare drew read back from the figure's panels: every run's curve in every panel,
+    """compare.png.json, what tools.compare drew read back from the figure's panels: every run's curve in every panel,
     with as many points as the run logged (steps, learning rates, gradient norms, evaluations), the reference's
     |Δloss| left out, one throughput bar per run and one memory bar per rank."""
     out, _ = run_all
-    figure = json.loads((out / "compare.json").read_text())
+    figure = json.loads((out / "compare.png.json").read_text())
     logged = {name: read_metrics(out / name) for name in RUNS}
     trains = {name: train for name, (train, _) in logged.items()}
     logging = lambda key: {name: sum(r.get(key) is not None for r in t.values()) for name, t in trains.items()}  # noqa: E731
