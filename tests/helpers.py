@@ -112,9 +112,14 @@ def run_command(
     return proc
 
 
-def command_failed(cmd: list[str], how: str, stdout: str, stderr: str) -> AssertionError:
+class CommandFailed(AssertionError):
+    """A command a test needed to succeed did not: a crash, not an assertion on what a feature did
+    (tests/mutations.py does not count it as a catch)."""
+
+
+def command_failed(cmd: list[str], how: str, stdout: str, stderr: str) -> CommandFailed:
     """A command that failed, `how` ("exited 1"), with the ends of what it printed."""
-    return AssertionError(f"{' '.join(cmd)} {how}\n--- stdout\n{stdout[-3000:]}\n--- stderr\n{stderr[-5000:]}")
+    return CommandFailed(f"{' '.join(cmd)} {how}\n--- stdout\n{stdout[-3000:]}\n--- stderr\n{stderr[-5000:]}")
 
 
 def launch(script: str, nproc: int, args: list[str], out: Path, **kw) -> subprocess.CompletedProcess:

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import CommandFailed
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # name: (file, what to replace, what with, the tests that must fail)
@@ -297,12 +299,6 @@ def _message(excinfo: pytest.ExceptionInfo | None) -> str:
     return excinfo.exconly().strip().splitlines()[0][:160] if excinfo else ""
 
 
-def _crashed(excinfo: pytest.ExceptionInfo) -> bool:
-    """tests.helpers.command_failed's AssertionError, what it printed in two sections: a command the test needed
-    to succeed exited otherwise. A crash, not an assertion on what the feature does."""
-    return "\n--- stdout\n" in str(excinfo.value) and "\n--- stderr\n" in str(excinfo.value)
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """(The plugin's.) A failure in the test's body on an assertion is a catch, and ends the session; a failure
@@ -310,7 +306,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = (yield).get_result()
     excinfo = call.excinfo
     asserted = excinfo is not None and excinfo.errisinstance((AssertionError, pytest.fail.Exception))
-    asserted = asserted and not _crashed(excinfo)
+    asserted = asserted and not excinfo.errisinstance(CommandFailed)  # (a command the test needed crashed)
     if report.failed:
         caught = report.when == "call" and asserted
         _record(test=item.nodeid, outcome="failure" if caught else "error", when=report.when, message=_message(excinfo))
