@@ -13,7 +13,6 @@ from contextlib import nullcontext
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -21,12 +20,21 @@ from common.checkpoint import Checkpoints
 from common.cli import parse_config
 from common.clipping import clip_grad_norm
 from common.config import Config
-from common.data import GlobalBatchSampler, describe_data, load_dataset, to_device_batch
+from common.data import GlobalBatchSampler, blank_batch, describe_data, load_dataset, to_device_batch
 from common.distributed import DistEnv, RankLogger, run, setup_distributed, teardown_distributed
 from common.model import build_model
 from common.recorder import RunRecorder
 from common.runs import total_steps
-from common.training import autocast, build_optimizer, evaluate, global_mean, loss_scaler, lr_at, set_lr
+from common.training import (
+    autocast,
+    build_optimizer,
+    evaluate,
+    global_mean,
+    loss_fn,
+    loss_scaler,
+    lr_at,
+    set_lr,
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -93,7 +101,7 @@ def train(cfg: Config, env: DistEnv) -> None:
         # order the gradients became ready, and the layout decides the order in which gloo/NCCL sum each element.
         # A throwaway backward gives this process the layout the uninterrupted run has at this step, so it
         # repeats that run bit for bit; the checkpoint then overwrites weights, optimizer state and RNG.
-        x = torch.zeros(chunk_size, data.in_channels, data.image_size, data.image_size, device=env.device)
+        x = blank_batch(data, chunk_size, env.device)
         with autocast(cfg, env.device):  # the loop's shape and precision: --compile traces no other graph
             model(x).sum().backward()
         model.zero_grad(set_to_none=True)  # DCP's load must find an optimizer that never saw a gradient
@@ -129,7 +137,7 @@ def train(cfg: Config, env: DistEnv) -> None:
             with nullcontext() if is_last else model.no_sync():  # [DDP]
                 with autocast(cfg, env.device), recorder.span("forward"):
                     # divided by the accumulation steps, the summed gradients are those of the chunk mean
-                    loss = F.cross_entropy(model(x), y) / cfg.grad_accum_steps
+                    loss = loss_fn(model(x), y) / cfg.grad_accum_steps
                 # [DDP] the gradient all-reduce runs inside backward: "gloo:all_reduce" in the trace
                 with recorder.span("backward"):
                     scaler.scale(loss).backward()

@@ -14,7 +14,6 @@ import os
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -31,7 +30,7 @@ from common.errors import WriteError
 from common.model import build_model
 from common.recorder import RunRecorder
 from common.runs import latest_checkpoint_line, total_steps
-from common.training import build_optimizer, evaluate, global_mean, loss_scaler, low_precision, lr_at, set_lr
+from common.training import build_optimizer, evaluate, global_mean, loss_fn, loss_scaler, low_precision, lr_at, set_lr
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -184,7 +183,7 @@ def train(cfg: Config, env: DistEnv) -> None:
             model.set_requires_gradient_sync(is_last)  # [FSDP] no reduce-scatter until the last accumulation step
             with recorder.span("forward"):  # [FSDP] each unit's all-gather shows inside it: "FSDP::all_gather"
                 # divided by the accumulation steps, the summed gradients are those of the chunk mean
-                loss = F.cross_entropy(model(x), y) / cfg.grad_accum_steps
+                loss = loss_fn(model(x), y) / cfg.grad_accum_steps
             with recorder.span("backward"):  # [FSDP] the reduce-scatter shows as "FSDP::post_backward_reduce"
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()

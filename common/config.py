@@ -18,12 +18,17 @@ MODEL_SIZES = {
     "large": (8192, 8),  # 546 M: DDP's 8.7 GB per rank does not fit 4 processes in 24 GiB; FSDP's 2.2 GB does
     "7b": (16384, 27),  # 7.1 B: for planning on GPUs (the textbook's 7 B)
 }
-MODELS = ("cnn", "vit")  # BabyViT's sizes: common/vit_sizes.py, loaded only with --model vit
-# What each model trains with unless told otherwise (the ViT's recipe: docs/transformer.md)
+MODELS = ("cnn", "vit", "gpt")  # the ViT's and BabyGPT's sizes: common/vit_sizes.py, common/gpt_sizes.py
+# What each model trains with unless told otherwise (the ViT's recipe: docs/transformer.md; BabyGPT's:
+# docs/language.md)
 MODEL_DEFAULTS = {
-    "cnn": {"epochs": 2, "lr_schedule": "constant", "shard_units": "model"},
-    "vit": {"epochs": 8, "lr_schedule": "cosine", "shard_units": "blocks"},
+    "cnn": {"dataset": "digits", "epochs": 2, "lr_schedule": "constant", "shard_units": "model"},
+    "vit": {"dataset": "digits", "epochs": 8, "lr_schedule": "cosine", "shard_units": "blocks"},
+    "gpt": {"dataset": "recall", "epochs": 8, "lr_schedule": "cosine", "shard_units": "blocks", "seq_len": 64},
 }
+IMAGE_DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10")
+TEXT_DATASETS = ("recall", "text")  # BabyGPT's: the built-in associative recall, a --data-file
+GPT_FLAGS = ("seq_len", "kv_heads", "data_file")  # flags of BabyGPT alone
 OPTIMIZERS = ("sgd", "adamw")
 SHARDINGS = ("full", "grad-op", "hybrid", "none")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
@@ -31,7 +36,7 @@ STRATEGIES = ("ddp", "fsdp", "pippy", "tp")
 BATCH_TOO_BIG = "the global batch {} is larger than the training set ({} samples); use a smaller batch or more data"
 PREEMPT_SIGNALS = ("USR1", "USR2")  # SIGTERM is always one; SIGINT (Ctrl-C) stops at once, without a checkpoint
 CHOICES = {  # flag -> (what it names, its values)
-    "dataset": ("data set", ("digits", "mnist", "fashion-mnist", "cifar10")),
+    "dataset": ("data set", (*IMAGE_DATASETS, *TEXT_DATASETS)),
     "model": ("model", MODELS),
     "optimizer": ("optimizer", OPTIMIZERS),
     "precision": ("precision", ("fp32", "bf16", "fp16")),
@@ -52,6 +57,8 @@ ZERO_MEANS = {
     "epochs": "the model's own",
     "patch_size": "the size's own",
     "heads": "the size's own",
+    "kv_heads": "as many as --heads, or the size's own",
+    "seq_len": "the model's own",
     "max_steps": "no limit",
     "warmup_steps": "none",
     "eval_every": "only at the end",
@@ -64,31 +71,40 @@ ZERO_MEANS = {
 @dataclass
 class Config:
     # --- data ---
-    dataset: str = "digits"
-    """Data set: digits (built in, offline, deterministic), mnist, fashion-mnist or cifar10 (torchvision)."""
+    dataset: str = "auto"
+    """Data set. Images: digits (built in, offline, deterministic; the default), mnist, fashion-mnist or cifar10
+    (torchvision). --model gpt: recall (built in: associative recall; the default) or text (--data-file)."""
+    data_file: str = ""
+    """gpt: train on this text file, as bytes (a vocabulary of 256), its last 10 % the test split."""
     data_dir: str = "data"
     """Where torchvision data sets are read from (and downloaded to, when online)."""
     train_size: int = 12800
-    """Number of training images of the built-in digits data set."""
+    """Number of training images (sequences) of the built-in digits (recall) data set."""
     test_size: int = 2000
-    """Number of test images of the built-in digits data set."""
+    """Number of test images (sequences) of the built-in digits (recall) data set."""
+    seq_len: int = 0
+    """gpt: tokens per sequence, the context (0: the model's own, 64)."""
 
     # --- model ---
     model: str = "cnn"
-    """cnn (BabyCNN: two convolutions and a classifier) or vit (BabyViT: a Vision Transformer, blocks of attention
-    and MLP): docs/transformer.md."""
+    """cnn (BabyCNN: two convolutions and a classifier), vit (BabyViT: a Vision Transformer, blocks of attention
+    and MLP: docs/transformer.md) or gpt (BabyGPT: a Llama-style decoder language model: docs/language.md)."""
     model_size: str = "baby"
     """The model's size. cnn: baby (1.3 M parameters), small (13 M), medium (155 M), large (546 M), 7b (7.1 B). vit:
     baby (0.3 M), small (6 M), medium (202 M), large (680 M); ti16, s16, b16, l16, h14, g14, 22b, the published
-    ViTs, for python -m planner (it says what each needs per rank)."""
+    ViTs, for python -m planner (it says what each needs per rank). gpt: baby (0.1 M), small (4.5 M), medium
+    (189 M); gpt2-124m, llama3-8b, llama3-70b, llama3-405b, the published shapes, for python -m planner."""
     patch_size: int = 0
     """vit: the patch's side in pixels (0: the size's own); it must divide the images' side."""
     heads: int = 0
-    """vit: attention heads per block (0: the size's own); they must divide the width."""
+    """vit, gpt: attention heads per block (0: the size's own); they must divide the width."""
+    kv_heads: int = 0
+    """gpt: key/value heads per block, each shared by --heads / --kv-heads query heads (0: as many as --heads if
+    given, else the size's own); they must divide --heads."""
 
     # --- schedule ---
     epochs: int = 0
-    """Passes over the training set (0: the model's own, 2 for cnn and 8 for vit; --max-steps stops earlier)."""
+    """Passes over the training set (0: the model's own, 2 for cnn, 8 for vit and gpt; --max-steps stops earlier)."""
     max_steps: int = 0
     """Stop after this many optimizer steps (0: no limit, run --epochs)."""
     batch_size: int = 128
@@ -195,6 +211,8 @@ class Config:
     strategy: str = dataclasses.field(default="ddp", metadata={"cli": False})
 
     def __post_init__(self) -> None:  # what the model trains with where a flag was left at 0 or auto
+        if self.data_file and self.dataset == "auto":
+            self.dataset = "text"  # --data-file says which data set
         for name, own in MODEL_DEFAULTS.get(self.model, MODEL_DEFAULTS["cnn"]).items():
             setattr(self, name, own if getattr(self, name) in (0, "auto") else getattr(self, name))
 
@@ -242,7 +260,7 @@ class Config:
             require_compiler(device_type)
         # the built-in data set's size is a flag, so this is known before any worker starts (for the
         # torchvision ones the sampler says the same once the data is loaded)
-        too_big = self.dataset == "digits" and self.batch_size > self.train_size
+        too_big = self.dataset in ("digits", "recall") and self.batch_size > self.train_size
         need(not too_big, "batch-size", BATCH_TOO_BIG.format(self.batch_size, self.train_size))
         problem = f"{self.grad_accum_steps} does not divide --batch-size {self.batch_size}"
         need(self.batch_size % self.grad_accum_steps == 0, "grad-accum-steps", problem)
@@ -251,10 +269,13 @@ class Config:
         return self
 
     def check_model(self) -> None:
-        """The size is one of the model's, and so are its flags (what the ViT's shape allows: model_sizes.py)."""
-        sizes = MODEL_SIZES
+        """The size is one of the model's, and so are its flags and its data (what the ViT's and BabyGPT's shapes
+        allow: model_sizes.py)."""
+        sizes: dict = MODEL_SIZES
         if self.model == "vit":
             from common.vit_sizes import VIT_SIZES as sizes
+        if self.model == "gpt":
+            from common.gpt_sizes import GPT_SIZES as sizes
         if self.model_size not in sizes:
             raise ConfigError(
                 f"--model-size: unknown {self.model} size {self.model_size!r}; choose one of {', '.join(sizes)}"
@@ -262,11 +283,31 @@ class Config:
         if self.model == "cnn" and (self.patch_size or self.heads):
             flag = "--patch-size" if self.patch_size else "--heads"
             raise ConfigError(f"{flag}: a flag of the ViT (--model vit); BabyCNN has no patches or heads: drop it")
+        given = [name for name in GPT_FLAGS if getattr(self, name)]
+        if self.model != "gpt" and given:
+            flag = "--" + given[0].replace("_", "-")
+            raise ConfigError(f"{flag}: a flag of BabyGPT (--model gpt), not of the {self.model}: drop it")
+        if (self.dataset in TEXT_DATASETS) != (self.model == "gpt"):
+            fits, what = (TEXT_DATASETS, "sequences") if self.model == "gpt" else (IMAGE_DATASETS, "images")
+            raise ConfigError(
+                f"--dataset: the {self.model} trains on {what}, not {self.dataset}; choose one of {', '.join(fits)}"
+            )
+        if self.model == "gpt":
+            from common.gpt_sizes import check_gpt  # its shape, --seq-len, --data-file
+
+            check_gpt(
+                self.model_size,
+                **{name: getattr(self, name) for name in ("heads", "kv_heads", "seq_len", "dataset", "data_file")},
+                patch_size=self.patch_size,
+                strategy=self.strategy,
+            )
 
     def model_kwargs(self) -> dict[str, object]:
-        """build_model's arguments from the flags (the data set gives the images' shape)."""
-        vit = {"patch_size": self.patch_size, "heads": self.heads} if self.model == "vit" else {}
-        return {"model": self.model, "size": self.model_size, "seed": self.seed, "dropout": self.dropout, **vit}
+        """build_model's arguments from the flags (the data set gives the images' shape, or the vocabulary and the
+        sequences' length)."""
+        own = {"vit": {"patch_size": self.patch_size}, "gpt": {"kv_heads": self.kv_heads}}.get(self.model, {})
+        own |= {"heads": self.heads} if self.model != "cnn" else {}
+        return {"model": self.model, "size": self.model_size, "seed": self.seed, "dropout": self.dropout, **own}
 
     def check_world_size(self, world_size: int) -> None:
         """The checks that need the number of processes: every rank must get an equal share of a batch. (What a

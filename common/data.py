@@ -1,6 +1,6 @@
-"""Data sets as tensors (uint8 images [N, C, H, W], int64 labels [N]: the built-in digits, or a torchvision set), and
-the global-batch sampler that gives every strategy the same batches: index lists, normalised on the device
-(docs/data.md)."""
+"""Data sets as tensors (uint8 images [N, C, H, W], int64 labels [N]: the built-in digits, or a torchvision set;
+BabyGPT's int64 tokens [N, T] and next tokens [N, T]: common/language.py), and the global-batch sampler that gives every
+strategy the same batches: index lists, normalised on the device (docs/data.md)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from common.errors import ConfigError
 
 @dataclass
 class Split:
-    images: torch.Tensor  # uint8 [N, C, H, W]
-    labels: torch.Tensor  # int64 [N]
+    images: torch.Tensor  # uint8 [N, C, H, W]; a language's tokens, int64 [N, T]
+    labels: torch.Tensor  # int64 [N]; a language's next tokens, int64 [N, T] (-100: not scored)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -31,6 +31,11 @@ class DataSet:
     std: tuple[float, ...]
 
     @property
+    def tokens(self) -> bool:
+        """A language's sequences (BabyGPT's), not images."""
+        return self.train.images.dtype == torch.int64
+
+    @property
     def in_channels(self) -> int:
         return self.train.images.shape[1]
 
@@ -40,7 +45,9 @@ class DataSet:
 
     @property
     def shape(self) -> dict[str, int]:
-        """What the model must know of the images: `build_model(..., **data.shape)`."""
+        """What the model must know of the images (or the sequences): `build_model(..., **data.shape)`."""
+        if self.tokens:
+            return {"vocab_size": self.num_classes, "seq_len": self.train.images.shape[1]}
         return {"in_channels": self.in_channels, "image_size": self.image_size, "num_classes": self.num_classes}
 
 
@@ -50,6 +57,8 @@ NORMALISATION = {
     "mnist": ((0.1307,), (0.3081,)),
     "fashion-mnist": ((0.2860,), (0.3530,)),
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "recall": ((), ()),  # tokens are not normalised
+    "text": ((), ()),
 }
 
 
@@ -57,6 +66,11 @@ def load_dataset(cfg: Config, *, download: bool = False) -> DataSet:
     """The data set of --dataset (with --seed, --train-size, --test-size for the built-in one, --data-dir for the
     others). `download` lets torchvision fetch a missing set: one process only (the runners' preflight)."""
     mean, std = NORMALISATION[cfg.dataset]
+    if cfg.dataset in ("recall", "text"):  # BabyGPT's sequences
+        from common.language import load_sequences
+
+        train, test, vocab = load_sequences(cfg)
+        return DataSet(cfg.dataset, Split(*train), Split(*test), vocab, mean, std)
     if cfg.dataset == "digits":  # each source is imported when it is chosen
         from common.digits import make_digits
 
@@ -81,9 +95,16 @@ def to_device_batch(
         images, labels = images.pin_memory(), labels.pin_memory()
     images = images.to(device, non_blocking=True)
     labels = labels.to(device, non_blocking=True)
+    if data.tokens:
+        return images, labels  # a language's tokens: no normalising
     mean = torch.tensor(data.mean, device=device).view(1, -1, 1, 1)
     std = torch.tensor(data.std, device=device).view(1, -1, 1, 1)
     return (images.float() / 255 - mean) / std, labels
+
+
+def blank_batch(data: DataSet, n: int, device: torch.device) -> torch.Tensor:
+    """`n` inputs of the model's shape and dtype, zeros (a throwaway step's): images, or a language's tokens."""
+    return torch.zeros(n, *data.train.images.shape[1:], device=device, dtype=torch.long if data.tokens else None)
 
 
 class GlobalBatchSampler:
@@ -129,8 +150,9 @@ def describe_data(data: DataSet, sampler: GlobalBatchSampler, *, split: str, ste
     left_out = sampler.left_out_per_epoch
     sit_out = f"\nnote: {left_out} samples per epoch do not fill a global batch and sit out that epoch"
     note = f"{sit_out} (different ones each epoch)" if left_out else ""
+    what = f"sequences of {data.train.images.shape[1]} tokens" if data.tokens else "images"
     return (
-        f"{data.name}: {len(data.train)} train / {len(data.test)} test images | "
+        f"{data.name}: {len(data.train)} train / {len(data.test)} test {what} | "
         f"global batch {sampler.global_batch_size} = {split} | {steps} steps{note}"
     )
 

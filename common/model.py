@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from common.config import MODEL_SIZES
 
 if TYPE_CHECKING:
+    from common.gpt import BabyGPT
     from common.vit import BabyViT
 
 
@@ -69,12 +70,16 @@ class BabyCNN(nn.Sequential):
         return {name: style() for pair in pairs for name, style in zip(pair, (ColwiseParallel, RowwiseParallel))}
 
 
-def build_model(*, model: str = "cnn", seed: int, **kwargs: object) -> BabyCNN | BabyViT:
-    """BabyCNN or BabyViT (`model`) whose initial weights are a function of `seed` and the size alone, the same on
-    every rank and in every strategy: built on the CPU under a private RNG (move it to the device afterwards).
-    `kwargs`: the model's (size, in_channels, image_size, num_classes, dropout; the ViT's patch_size and heads)."""
+def build_model(*, model: str = "cnn", seed: int, **kwargs: object) -> BabyCNN | BabyViT | BabyGPT:
+    """BabyCNN, BabyViT or BabyGPT (`model`) whose initial weights are a function of `seed` and the size alone, the
+    same on every rank and in every strategy: built on the CPU under a private RNG (move it to the device
+    afterwards). `kwargs`: the model's (size, dropout; the images' in_channels, image_size, num_classes; the ViT's
+    patch_size and heads; BabyGPT's vocab_size, seq_len, heads and kv_heads)."""
+    model_class: type[nn.Module] = BabyCNN
     if model == "vit":
-        from common.vit import BabyViT  # only with --model vit: a CNN run does not carry the transformer
+        from common.vit import BabyViT as model_class  # only with --model vit: a CNN run carries no transformer
+    if model == "gpt":
+        from common.gpt import BabyGPT as model_class
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return (BabyViT if model == "vit" else BabyCNN)(**kwargs)
+        return model_class(**kwargs)

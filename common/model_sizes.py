@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from common.config import MODEL_SIZES, Config
 from common.errors import ConfigError
+from common.gpt_sizes import GPT_SIZES, gpt_heads, gpt_parameters
 from common.vit_sizes import VIT_SIZES
 
 # The input each data set gives the model: channels, image side, classes.
@@ -37,6 +38,12 @@ def check_vit(size: str, side: int, *, patch: int = 0, heads: int = 0) -> None:
         raise ConfigError(f"--heads: {heads} heads do not divide the width {width}; use one of {fits}")
 
 
+def gpt_vocab(size: str, dataset: str = "recall") -> int:
+    """BabyGPT's vocabulary: a published shape's own, else the data's (the built-in recall's 128, a file's 256
+    bytes; common/language.py)."""
+    return GPT_SIZES[size].vocab or (256 if dataset == "text" else 128)
+
+
 def input_shape(model: str, size: str, dataset: str = "digits") -> tuple[int, int, int]:
     """(channels, image side, classes) the model is built for: the data set's, or the published ViTs' ImageNet."""
     return (3, 224, 1000) if model == "vit" and size in PUBLISHED else DATASET_SHAPES[dataset]
@@ -54,6 +61,8 @@ def layers(size: str, dataset: str = "digits", model: str = "cnn") -> list[Layer
     """Every layer of the model at `size` for `dataset`'s images, in order (common/model.py builds the same)."""
     if model == "vit":
         return vit_layers(size, dataset)
+    if model == "gpt":
+        return gpt_layers(size, dataset)
     width, _ = MODEL_SIZES[size]
     channels, side, classes = DATASET_SHAPES[dataset]
     conv = side - 4  # two 3x3 convolutions without padding
@@ -97,6 +106,25 @@ def vit_layers(size: str, dataset: str = "digits") -> list[Layer]:
     return [embed, *block, head]
 
 
+def gpt_layers(size: str, dataset: str = "recall", seq_len: int = 64) -> list[Layer]:
+    """BabyGPT's layers at `seq_len` tokens: the embedding (a lookup: no FLOPs), the blocks (RMSNorm, attention
+    with q, k, v, the output projection and the causal scores, RMSNorm, SwiGLU; counted as a full square of scores,
+    as the kernel computes it), and the head (RMSNorm, the output layer over the vocabulary). `outputs`: the values
+    a block keeps for backward, about; the head's logits. Per sequence."""
+    shape, vocab, t = GPT_SIZES[size], gpt_vocab(size, dataset), seq_len
+    block_params = (gpt_parameters(shape, vocab) - shape.width - vocab * shape.width * (1 + (not shape.tied))) // max(
+        shape.depth, 1
+    )
+    kv = shape.width // shape.heads * shape.kv_heads
+    matmuls = 2 * shape.width * shape.width + 2 * shape.width * kv + 3 * shape.width * shape.mlp
+    block_flops = 2 * t * matmuls + 4 * t * t * shape.width
+    kept = t * (6 * shape.width + 2 * kv + 3 * shape.mlp) + shape.heads * t * t  # norms, q k v, scores, SwiGLU
+    embed = Layer("embed", vocab * shape.width, 0, t * shape.width)
+    blocks = [Layer(f"block{i}", block_params, block_flops, kept) for i in range(shape.depth)]
+    out_params = shape.width + (0 if shape.tied else vocab * shape.width)  # a tied output layer is the embedding
+    return [embed, *blocks, Layer("head", out_params, 2 * t * shape.width * vocab, t * (shape.width + vocab))]
+
+
 def parameter_count(size: str, dataset: str = "digits", model: str = "cnn") -> int:
     return sum(layer.params for layer in layers(size, dataset, model))
 
@@ -120,6 +148,8 @@ def check_tp(cfg: Config, world_size: int) -> None:
     if cfg.strategy == "pippy" and cfg.model == "cnn" and cfg.tp > 1:
         raise ConfigError("--tp: a pipeline splits the ViT's blocks (--model vit); BabyCNN's TP is train_tp.py's")
     tp = tp_degree(cfg, world_size)
+    if cfg.model == "gpt":
+        return check_gpt_tp(cfg, tp)
     heads, mlp = (
         (cfg.heads or VIT_SIZES[cfg.model_size][3], VIT_SIZES[cfg.model_size][4]) if cfg.model == "vit" else (1, 1)
     )
@@ -142,6 +172,29 @@ def check_tp(cfg: Config, world_size: int) -> None:
             f"--sequence-parallel: the {tokens} tokens of {side} x {side} images in {patch} x {patch} patches do not "
             f"split over {tp} TP ranks; use a --patch-size whose tokens they divide ({', '.join(fits) or 'none'}), "
             f"or drop --sequence-parallel"
+        )
+
+
+def check_gpt_tp(cfg: Config, tp: int) -> None:
+    """ConfigError unless `tp` ranks split BabyGPT's heads, key/value heads, SwiGLU width and vocabulary (each rank
+    whole heads, its columns, its rows of the embedding and the output layer; the vocabulary is not padded), and
+    with --sequence-parallel its tokens."""
+    shape = GPT_SIZES[cfg.model_size]
+    heads, kv_heads = gpt_heads(cfg.model_size, cfg.heads, cfg.kv_heads)
+    vocab = gpt_vocab(cfg.model_size, cfg.dataset)
+    parts = {"--heads": heads, "--kv-heads": kv_heads, "SwiGLU's width": shape.mlp, "the vocabulary": vocab}
+    for what, n in parts.items():
+        if n % tp:
+            flag = what if what.startswith("--") else "--tp" if cfg.strategy == "pippy" else "--dp"
+            fits = [d for d in (1, 2, 4, 8, 16, 32) if all(m % d == 0 for m in parts.values())]
+            raise ConfigError(
+                f"{flag}: {tp} TP ranks do not split {what} ({n}: each rank holds an equal share, nothing is padded); "
+                f"use a TP degree of {', '.join(map(str, fits))}"
+            )
+    if cfg.sequence_parallel and cfg.seq_len % tp:
+        raise ConfigError(
+            f"--sequence-parallel: the {cfg.seq_len} tokens of --seq-len do not split over {tp} TP ranks; use a "
+            f"--seq-len that {tp} divides, or drop --sequence-parallel"
         )
 
 
@@ -184,6 +237,8 @@ def blocks(size: str, model: str = "cnn") -> list[list[str]]:
     last); BabyViT's blocks, each alone (the embedding and the head stay with the root)."""
     if model == "vit":
         return [[f"block{i}"] for i in range(VIT_SIZES[size][2])]
+    if model == "gpt":
+        return [[f"block{i}"] for i in range(GPT_SIZES[size].depth)]
     names = [layer.name for layer in layers(size)]
     starts = [0, names.index("flatten"), *(i for i, name in enumerate(names) if name.startswith("hidden"))]
     return [names[a:b] for a, b in zip(starts, [*starts[1:], len(names)])]
@@ -234,7 +289,7 @@ def _groups(size: str, dataset: str, model: str = "cnn") -> list[list[Layer]]:
     between blocks, the embedding with the first, the head with the last."""
     groups: list[list[Layer]] = []
     for layer in layers(size, dataset, model):
-        if model == "vit":
+        if model in ("vit", "gpt"):
             opens = layer.name.startswith("block") and layer.name != "block0"
         else:
             opens = layer.name == "flatten" or (layer.params > 0 and layer.name not in _NEVER_STARTS)
@@ -247,8 +302,8 @@ def _groups(size: str, dataset: str, model: str = "cnn") -> list[list[Layer]]:
 
 def max_stages(size: str, model: str = "cnn") -> int:
     """How many stages the model at `size` can be cut into (BabyViT: its blocks)."""
-    if model == "vit":
-        return VIT_SIZES[size][2]
+    if model in ("vit", "gpt"):
+        return VIT_SIZES[size][2] if model == "vit" else GPT_SIZES[size].depth
     return max(BABY_STAGE_STARTS) if size == "baby" else len(_groups(size, "digits"))
 
 

@@ -15,9 +15,9 @@ from common.runs import checkpoint_dir, complete_checkpoints, fingerprint
 
 # The settings that decide which weights step s produces: a resume with another value is refused.
 TRAJECTORY = (
-    *("dataset", "train_size", "test_size", "seed", "batch_size"),  # which samples, in which order
+    *("dataset", "data_file", "train_size", "test_size", "seq_len", "seed", "batch_size"),  # which samples, in order
     *("optimizer", "lr", "weight_decay", "warmup_steps", "lr_schedule", "min_lr", "max_grad_norm"),  # the update
-    *("model", "model_size", "patch_size", "heads", "dropout"),  # the model
+    *("model", "model_size", "patch_size", "heads", "kv_heads", "dropout"),  # the model
     *("precision", "loss_scale", "loss_scale_growth_interval"),  # its arithmetic
 )
 # Settings a resume may change, said once: the layout (a DCP checkpoint loads into any), the length (a decaying

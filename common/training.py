@@ -76,6 +76,16 @@ def loss_scaler(cfg: Config) -> NoLossScaling:
     return LossScaler(cfg)
 
 
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy: over the images' labels [B] (logits [B, classes]), or over a language's scored
+    positions (logits [B, T, V], next tokens [B, T], -100 where nothing is scored). Every sequence has as many
+    scored positions as any other, so the mean over a rank's share, averaged over the ranks, is the batch's mean.
+    Under TP's loss_parallel the logits are split by vocabulary and the loss is computed on the shards."""
+    if logits.dim() == 2:
+        return F.cross_entropy(logits, labels)
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))  # (ignore_index=-100: the default)
+
+
 def global_mean(value: torch.Tensor) -> float:
     """Mean of a per-rank scalar over all ranks: each rank's loss is the mean over an equal share of the global
     batch, so the mean of the rank means is the mean over the whole global batch."""
@@ -102,13 +112,13 @@ def evaluate(
     device: torch.device,
     fixed_batch: int = 0,
 ) -> tuple[float, float]:
-    """(test loss, test accuracy) over the whole test set, the same for any world size. Each of `parts` evaluators
-    (a rank; a pipeline replica) takes its contiguous shard of the test set, and the sums of losses and hits are
-    reduced over all ranks. `forward(images, labels)` returns the logits, or None on a rank that does not hold them
-    (a pipeline rank without the last stage). Every evaluator makes as many forward calls as the longest shard
-    needs, because sharded models and pipelines communicate inside forward: a shorter shard runs an empty batch or,
-    with `fixed_batch` (a pipeline, whose buffers the first step sized: every batch exactly that size), batches
-    padded with copies of image 0 whose rows are not counted."""
+    """(test loss, test accuracy) over the whole test set (BabyGPT's: over its scored positions), the same for any
+    world size. Each of `parts` evaluators (a rank; a pipeline replica) takes its contiguous shard of the test set,
+    and the sums of losses and hits are reduced over all ranks. `forward(images, labels)` returns the logits, or
+    None on a rank that does not hold them (a pipeline rank without the last stage). Every evaluator makes as many
+    forward calls as the longest shard needs, because sharded models and pipelines communicate inside forward: a
+    shorter shard runs an empty batch or, with `fixed_batch` (a pipeline, whose buffers the first step sized: every
+    batch exactly that size), batches padded with copies of image 0 whose rows are not counted."""
     batch_size = fixed_batch or EVAL_BATCH_SIZE
     shard = shard_range(len(data.test), part, parts)
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, hits, count
@@ -121,9 +131,11 @@ def evaluate(
         logits = forward(images, labels)
         if logits is not None:
             logits, labels = logits[:n_real].float(), labels[:n_real]
+            if logits.dim() == 3:  # a language's: its scored positions (BabyGPT's accuracy: exact match on them)
+                logits, labels = logits[labels != -100], labels[labels != -100]
             totals[0] += F.cross_entropy(logits, labels, reduction="sum").double()
             totals[1] += (logits.argmax(dim=1) == labels).sum()
-            totals[2] += n_real
+            totals[2] += len(labels)
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)
     loss_sum, hits, count = totals.tolist()
     return loss_sum / count, hits / count

@@ -116,8 +116,8 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "accumulation-scale": (
         "train_ddp.py",
-        "loss = F.cross_entropy(model(x), y) / cfg.grad_accum_steps",
-        "loss = F.cross_entropy(model(x), y)",
+        "loss = loss_fn(model(x), y) / cfg.grad_accum_steps",
+        "loss = loss_fn(model(x), y)",
         ["tests/integration/test_ddp.py", "-k", "accumulation"],
     ),
     "accumulation-sync-ddp": (  # every chunk's backward all-reduces: the same loss, 4 times the reductions
