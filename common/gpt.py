@@ -128,13 +128,14 @@ class BabyGPT(nn.Sequential):
         """The decoder blocks, in order: a unit each for FSDP (the embedding and the head stay with the root)."""
         return [layer for name, layer in self.named_children() if name.startswith("block")]
 
-    def tp_plan(self, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    def tp_plan(self, sequence_parallel: bool = False, loss_parallel: bool = True) -> dict[str, ParallelStyle]:
         """Megatron's split of every block: q, k and v by columns (each TP rank its heads and key/value heads),
         the output projection by rows (the ranks' partial outputs summed); SwiGLU's gate and up by columns, down
         by rows. The embedding is split by vocabulary (each rank looks up its rows; the others' give zeros, and the
         sum is the lookup), the output layer by vocabulary too, its logits left split (Shard(-1)) for the loss to
         be computed on the shards (`loss_parallel`: the full logits never exist on one rank). With
-        `sequence_parallel`, the RMSNorms and the residual stream run on 1/tp of the tokens (docs/tp.md)."""
+        `sequence_parallel`, the RMSNorms and the residual stream run on 1/tp of the tokens (docs/tp.md); without
+        `loss_parallel`, the logits are gathered whole on every TP rank (a pipeline's last stage hands them on)."""
         tokens, gathered = Shard(1), Replicate()  # [B, T, D] cut by its tokens, or whole on every TP rank
         summed = tokens if sequence_parallel else gathered  # the row-wise sums: reduce-scattered, or all-reduced
         plan: dict[str, ParallelStyle] = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=summed)}
@@ -150,5 +151,6 @@ class BabyGPT(nn.Sequential):
         if sequence_parallel:
             plan["head.norm"] = SequenceParallel()
         # the vocabulary split: the logits stay a DTensor sharded by their last dimension, for loss_parallel
-        plan["head.out"] = ColwiseParallel(input_layouts=summed, output_layouts=Shard(-1), use_local_output=False)
+        logits = {"output_layouts": Shard(-1), "use_local_output": False} if loss_parallel else {}
+        plan["head.out"] = ColwiseParallel(input_layouts=summed, **logits)
         return plan
