@@ -151,6 +151,7 @@ class BabyGPT(nn.Sequential):
         if sequence_parallel:
             plan["head.norm"] = SequenceParallel()
         # the vocabulary split: the logits stay a DTensor sharded by their last dimension, for loss_parallel
-        logits = {"output_layouts": Shard(-1), "use_local_output": False} if loss_parallel else {}
-        plan["head.out"] = ColwiseParallel(input_layouts=summed, **logits)
+        split = {"output_layouts": Shard(-1), "use_local_output": False}  # a DTensor, for loss_parallel
+        out = split if loss_parallel else {"output_layouts": gathered}
+        plan["head.out"] = ColwiseParallel(input_layouts=summed, **out)
         return plan
