@@ -24,10 +24,10 @@ MODELS = ("cnn", "vit", "gpt")  # the ViT's and BabyGPT's sizes: common/vit_size
 MODEL_DEFAULTS = {
     "cnn": {"dataset": "digits", "epochs": 2, "lr_schedule": "constant", "shard_units": "model"},
     "vit": {"dataset": "digits", "epochs": 8, "lr_schedule": "cosine", "shard_units": "blocks"},
-    "gpt": {"dataset": "recall", "epochs": 8, "lr_schedule": "cosine", "shard_units": "blocks", "seq_len": 64},
+    "gpt": {"dataset": "copy", "epochs": 2, "lr_schedule": "cosine", "shard_units": "blocks", "seq_len": 64},
 }
 IMAGE_DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10")
-TEXT_DATASETS = ("recall", "text")  # BabyGPT's: the built-in associative recall, a --data-file
+TEXT_DATASETS = ("copy", "text")  # BabyGPT's: the built-in copy task, a --data-file
 GPT_FLAGS = ("seq_len", "kv_heads", "data_file")  # flags of BabyGPT alone
 OPTIMIZERS = ("sgd", "adamw")
 SHARDINGS = ("full", "grad-op", "hybrid", "none")
@@ -73,15 +73,15 @@ class Config:
     # --- data ---
     dataset: str = "auto"
     """Data set. Images: digits (built in, offline, deterministic; the default), mnist, fashion-mnist or cifar10
-    (torchvision). --model gpt: recall (built in: associative recall; the default) or text (--data-file)."""
+    (torchvision). --model gpt: copy (built in: random tokens, then copied; the default) or text (--data-file)."""
     data_file: str = ""
     """gpt: train on this text file, as bytes (a vocabulary of 256), its last 10 % the test split."""
     data_dir: str = "data"
     """Where torchvision data sets are read from (and downloaded to, when online)."""
     train_size: int = 12800
-    """Number of training images (sequences) of the built-in digits (recall) data set."""
+    """Number of training images (sequences) of the built-in digits (copy) data set."""
     test_size: int = 2000
-    """Number of test images (sequences) of the built-in digits (recall) data set."""
+    """Number of test images (sequences) of the built-in digits (copy) data set."""
     seq_len: int = 0
     """gpt: tokens per sequence, the context (0: the model's own, 64)."""
 
@@ -104,7 +104,7 @@ class Config:
 
     # --- schedule ---
     epochs: int = 0
-    """Passes over the training set (0: the model's own, 2 for cnn, 8 for vit and gpt; --max-steps stops earlier)."""
+    """Passes over the training set (0: the model's own, 2 for cnn and gpt, 8 for vit; --max-steps stops earlier)."""
     max_steps: int = 0
     """Stop after this many optimizer steps (0: no limit, run --epochs)."""
     batch_size: int = 128
@@ -260,7 +260,7 @@ class Config:
             require_compiler(device_type)
         # the built-in data set's size is a flag, so this is known before any worker starts (for the
         # torchvision ones the sampler says the same once the data is loaded)
-        too_big = self.dataset in ("digits", "recall") and self.batch_size > self.train_size
+        too_big = self.dataset in ("digits", "copy") and self.batch_size > self.train_size
         need(not too_big, "batch-size", BATCH_TOO_BIG.format(self.batch_size, self.train_size))
         problem = f"{self.grad_accum_steps} does not divide --batch-size {self.batch_size}"
         need(self.batch_size % self.grad_accum_steps == 0, "grad-accum-steps", problem)

@@ -57,7 +57,7 @@ NORMALISATION = {
     "mnist": ((0.1307,), (0.3081,)),
     "fashion-mnist": ((0.2860,), (0.3530,)),
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
-    "recall": ((), ()),  # tokens are not normalised
+    "copy": ((), ()),  # tokens are not normalised
     "text": ((), ()),
 }
 
@@ -66,7 +66,7 @@ def load_dataset(cfg: Config, *, download: bool = False) -> DataSet:
     """The data set of --dataset (with --seed, --train-size, --test-size for the built-in one, --data-dir for the
     others). `download` lets torchvision fetch a missing set: one process only (the runners' preflight)."""
     mean, std = NORMALISATION[cfg.dataset]
-    if cfg.dataset in ("recall", "text"):  # BabyGPT's sequences
+    if cfg.dataset in ("copy", "text"):  # BabyGPT's sequences
         from common.language import load_sequences
 
         train, test, vocab = load_sequences(cfg)

@@ -60,7 +60,7 @@ def check_gpt(
     size: str, *, heads: int, kv_heads: int, seq_len: int, dataset: str, data_file: str, patch_size: int, strategy: str
 ) -> None:
     """ConfigError unless BabyGPT's flags fit its shape: --heads divide the width, --kv-heads divide --heads,
-    --seq-len within the context its rotary positions are for (the built-in recall: even, 4 or more), a tied
+    --seq-len within the context its rotary positions are for (the built-in copy: even), a tied
     output layer (GPT-2's) only where one rank holds both ends of the model. The runners check it before torchrun,
     Config.check in the workers."""
     if patch_size:
@@ -86,10 +86,9 @@ def check_gpt(
             f"--seq-len: {seq_len} tokens are beyond {size}'s context of {shape.context} (its rotary "
             f"positions' length); use --seq-len {shape.context} or less, or a larger --model-size"
         )
-    if dataset == "recall" and (seq_len < 4 or seq_len % 2):
+    if dataset == "copy" and seq_len % 2:
         raise ConfigError(
-            f"--seq-len: the built-in recall needs an even length of 4 or more (key-value pairs, then questions), "
-            f"got {seq_len}"
+            f"--seq-len: the built-in copy needs an even length (random tokens, then the same again), got {seq_len}"
         )
     if shape.tied and (strategy == "pippy" or strategy == "tp"):
         raise ConfigError(

@@ -2,9 +2,9 @@
 next (-100 where nothing can be predicted: the loss and the accuracy skip it). Two sources, as tensors like the
 images' (docs/language.md):
 
-* `recall` (built in, the default): associative recall. A sequence lists key-value pairs, then asks for keys again;
-  the answer to each is the value that followed the key earlier. Nothing but the context tells it, so a longer
-  --seq-len means more to remember, and the score reads directly: the share of answers predicted exactly.
+* `copy` (built in, the default): a sequence is random tokens, then the same tokens again. The second half can be
+  predicted only from the first, half a sequence back: a longer --seq-len means more to hold and a longer reach,
+  and the score reads directly: the share of the copied tokens predicted exactly.
 * `text` (--data-file PATH): any text file as bytes (a vocabulary of 256), cut into sequences by position, the
   first 90 % for training and the rest for testing; every next byte is a target.
 """
@@ -21,46 +21,35 @@ from common.errors import ConfigError
 if TYPE_CHECKING:
     from common.config import Config
 
-RECALL_KEYS = 64  # keys are tokens 0..63, values 64..127
-RECALL_VOCAB = 2 * RECALL_KEYS
+COPY_VOCAB = 128  # the built-in copy task draws its tokens from 0..127
 BYTE_VOCAB = 256
-IGNORE = -100  # F.cross_entropy's ignore_index: a position whose next token is not a question's answer
+IGNORE = -100  # F.cross_entropy's ignore_index: a position whose next token cannot be known (the random half)
 TEST_SHARE = 0.1  # --data-file: the last 10 % of the file is the test split
 
 
 def load_sequences(cfg: Config) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor], int]:
-    """The training and test splits of --dataset recall or text, as (tokens, next tokens), and the vocabulary: the
+    """The training and test splits of --dataset copy or text, as (tokens, next tokens), and the vocabulary: the
     model's (a published shape's own is larger than the data's)."""
     from common.model_sizes import gpt_vocab
 
-    if cfg.dataset == "recall":
+    if cfg.dataset == "copy":
         sizes = ((cfg.train_size, False), (cfg.test_size, True))
-        train, test = (make_recall(n, cfg.seq_len, seed=cfg.seed, test=t) for n, t in sizes)
+        train, test = (make_copy(n, cfg.seq_len, seed=cfg.seed, test=t) for n, t in sizes)
     else:
         train, test = (read_text(cfg.data_file, cfg.seq_len, test=t) for t in (False, True))
     return train, test, gpt_vocab(cfg.model_size, cfg.dataset)
 
 
-def recall_layout(seq_len: int) -> tuple[int, int]:
-    """(pairs, queries) of a recall sequence of `seq_len` tokens: up to 64 distinct key-value pairs in the first
-    half of the sequence (a quarter at most), then questions filling the rest, each a key and its value."""
-    pairs = min(seq_len // 4, RECALL_KEYS)
-    return pairs, seq_len // 2 - pairs
-
-
-def make_recall(n: int, seq_len: int, *, seed: int, test: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """`n` associative-recall sequences (int64 [n, seq_len]) and their targets: k1 v1 k2 v2 .. kP vP q1 a1 .. qQ aQ,
-    where each q is one of the P keys and a its value; the target at each q's position is a, -100 elsewhere. The
-    same for a seed on every rank; the test split from its own stream."""
+def make_copy(n: int, seq_len: int, *, seed: int, test: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`n` copy sequences (int64 [n, seq_len]): h = seq_len / 2 random tokens a_1 .. a_h, then a_1 .. a_h again; the
+    targets are the copy's tokens (at position h - 1 + i, a_(i+1)), -100 over the random half. The same for a seed
+    on every rank; the test split from its own stream."""
     generator = torch.Generator().manual_seed(seed * 2 + int(test) + 7_919)
-    pairs, queries = recall_layout(seq_len)
-    keys = torch.rand(n, RECALL_KEYS, generator=generator).argsort(dim=1)[:, :pairs]  # distinct within a sequence
-    values = torch.randint(RECALL_KEYS, RECALL_VOCAB, (n, pairs), generator=generator)
-    asked = torch.randint(0, pairs, (n, queries), generator=generator)
-    questions, answers = keys.gather(1, asked), values.gather(1, asked)
-    tokens = torch.cat([torch.stack([keys, values], 2).flatten(1), torch.stack([questions, answers], 2).flatten(1)], 1)
+    half = seq_len // 2
+    first = torch.randint(0, COPY_VOCAB, (n, half), generator=generator)
+    tokens = torch.cat([first, first], dim=1)
     targets = torch.full_like(tokens, IGNORE)
-    targets[:, 2 * pairs :: 2] = answers  # at a question's position: the answer that follows it
+    targets[:, half - 1 : seq_len - 1] = first  # each position of the copy predicts the next copied token
     return tokens, targets
 
 

@@ -38,8 +38,8 @@ def check_vit(size: str, side: int, *, patch: int = 0, heads: int = 0) -> None:
         raise ConfigError(f"--heads: {heads} heads do not divide the width {width}; use one of {fits}")
 
 
-def gpt_vocab(size: str, dataset: str = "recall") -> int:
-    """BabyGPT's vocabulary: a published shape's own, else the data's (the built-in recall's 128, a file's 256
+def gpt_vocab(size: str, dataset: str = "copy") -> int:
+    """BabyGPT's vocabulary: a published shape's own, else the data's (the built-in copy's 128, a file's 256
     bytes; common/language.py)."""
     return GPT_SIZES[size].vocab or (256 if dataset == "text" else 128)
 
@@ -106,7 +106,7 @@ def vit_layers(size: str, dataset: str = "digits") -> list[Layer]:
     return [embed, *block, head]
 
 
-def gpt_layers(size: str, dataset: str = "recall", seq_len: int = 64) -> list[Layer]:
+def gpt_layers(size: str, dataset: str = "copy", seq_len: int = 64) -> list[Layer]:
     """BabyGPT's layers at `seq_len` tokens: the embedding (a lookup: no FLOPs), the blocks (RMSNorm, attention
     with q, k, v, the output projection and the causal scores, RMSNorm, SwiGLU; counted as a full square of scores,
     as the kernel computes it), and the head (RMSNorm, the output layer over the vocabulary). `outputs`: the values
