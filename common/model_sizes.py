@@ -252,10 +252,20 @@ def tp_fsdp_units(size: str, tp: int, dataset: str = "digits", model: str = "cnn
 
 
 def tp_split_params(size: str, dataset: str, model: str = "cnn") -> dict[str, int]:
-    """The parameters TP splits, by layer (the ViT's, by block: q, k, v and fc1 whole, proj's and fc2's weights)."""
+    """The parameters TP splits, by layer (the ViT's, by block: q, k, v and fc1 whole, proj's and fc2's weights;
+    BabyGPT's, by block, and its embedding and output layer)."""
     if model == "vit":
         _, width, depth, _, mlp = VIT_SIZES[size]
         return {f"block{i}": 4 * width * width + 3 * width + 2 * width * mlp + mlp for i in range(depth)}
+    if model == "gpt":  # a block's q, k, v, o and SwiGLU's three; the embedding and the output layer by vocabulary
+        shape, vocab = GPT_SIZES[size], gpt_vocab(size, dataset)
+        kv = shape.width // shape.heads * shape.kv_heads
+        block = 2 * shape.width * shape.width + 2 * shape.width * kv + 3 * shape.width * shape.mlp
+        return {
+            "embed": vocab * shape.width,
+            **{f"block{i}": block for i in range(shape.depth)},
+            "head": vocab * shape.width,
+        }
     by_name = {layer.name: layer for layer in layers(size, dataset)}
     split = {}
     for col, row in tp_pairs(size):
