@@ -3,6 +3,7 @@
 #   bash run_all.sh                          # defaults: runs/compare/{ref,ddp,fsdp,pippy,tp} + compare.png
 #   bash run_all.sh --dropout 0 --max-steps 100
 #   OUT=runs/bf16 bash run_all.sh --precision bf16
+#   bash run_all.sh --model gpt              # BabyGPT through every strategy (--model vit: BabyViT)
 # NPROC (default 4) processes for each strategy; the reference is `python train_ddp.py` on one process.
 # Every run evaluates every 20 steps (for the accuracy panel) unless you pass --eval-every yourself.
 set -euo pipefail
@@ -21,9 +22,18 @@ strategies=(ddp fsdp pippy tp)
 # The reference runs where the strategies will (--device auto gives them CUDA only with a GPU per process: on a
 # 1-GPU machine they run on the CPU, and a CUDA reference would differ by CUDA's arithmetic, not the strategy's).
 # A torch older than tensor parallelism needs (docs/versions.md) still runs and compares the other three.
-read -r ref_device has_tp < <("$PYTHON" -c 'import sys, torch; from common.versions import NEEDS_TP, older_than
+# A pipeline has at most as many stages as the model has blocks to cut (BabyGPT baby: 2): where NPROC ranks would
+# be more stages, the pipeline runs as replicas of a shorter one (--dp, the fewest that fit), unless you pass --dp.
+read -r ref_device has_tp pipeline_dp < <("$PYTHON" -c 'import sys, torch; from common.versions import NEEDS_TP, older_than
+from common.cli import parse_config; from runner.layout import pipeline_replicas
 gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-print("auto" if gpus >= int(sys.argv[1]) else "cpu", int(not older_than(NEEDS_TP)))' "$NPROC")
+nproc, flags, dp = int(sys.argv[1]), sys.argv[2:], 1
+if not any(f == "--dp" or f.startswith("--dp=") for f in flags):
+    try:
+        dp = pipeline_replicas(parse_config("pippy", flags), nproc)
+    except Exception:  # a flag run_pippy.sh refuses: it says so in one line
+        pass
+print("auto" if gpus >= nproc else "cpu", int(not older_than(NEEDS_TP)), dp)' "$NPROC" "$@")
 if (( ! has_tp )); then
   strategies=(ddp fsdp pippy)
   echo "== tp left out: this torch is older than tensor parallelism needs (docs/versions.md)"
@@ -32,8 +42,13 @@ fi
 echo "== 1-process reference -> $OUT/ref"
 "$PYTHON" train_ddp.py --device "$ref_device" "$@" --out "$OUT/ref"  # a --device of yours comes later and wins
 for strategy in "${strategies[@]}"; do
+  own=()
+  if [[ $strategy == pippy ]] && (( pipeline_dp > 1 )); then
+    own=(--dp "$pipeline_dp")
+    echo "== pippy on $NPROC processes: $pipeline_dp replicas of a $((NPROC / pipeline_dp))-stage pipeline (the model has no more blocks to cut)"
+  fi
   echo "== $strategy on $NPROC processes -> $OUT/$strategy"
-  bash "run_$strategy.sh" "$@" --out "$OUT/$strategy"
+  bash "run_$strategy.sh" "${own[@]}" "$@" --out "$OUT/$strategy"
 done
 echo "== comparison"
 "$PYTHON" -m tools.compare "$OUT/ref" "${strategies[@]/#/$OUT/}" --out "$OUT/compare.png" --markdown

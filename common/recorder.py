@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import time
+from datetime import timedelta
 from typing import Any, ContextManager, Iterable, Iterator
 
 import torch
@@ -53,6 +54,11 @@ class RunRecorder:
             from common.memory_peak import PeakOfStep  # only with the flag
 
             self.peak = PeakOfStep(start_step + 2, self)  # the launch's second step: the first sets things up
+        self.throughput = None
+        if cfg.model == "gpt":  # a language model's tokens/s and, on a GPU, MFU: only then loaded
+            from common.throughput import Throughput
+
+            self.throughput = Throughput(cfg, env.device, world_size=env.world_size)
         self.profiler = None
         if cfg.profile_steps:
             from common.profiling import StepProfiler  # only with the flag
@@ -102,6 +108,7 @@ class RunRecorder:
             "lr": lr,
             "grad_norm": None if scaler.skipped else grad_norm,
             "samples_per_s": samples / step_time_s,
+            **(self.throughput.rates(samples / step_time_s) if self.throughput else {}),  # tokens/s, MFU
             "step_time_s": step_time_s,
             **fp16,
         }
@@ -111,7 +118,7 @@ class RunRecorder:
                 eta = (time.perf_counter() - self.started) / (step - self.start_step) * (self.total_steps - step)
                 print(
                     f"step {step:>5}/{self.total_steps} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3f} | "
-                    f"{self.samples / self.train_time:7.0f} samples/s | ETA {_clock(eta)}",
+                    f"{self.samples / self.train_time:7.0f} samples/s | ETA {timedelta(seconds=int(max(0, eta)))}",
                     flush=True,
                 )
             if self.logs and scaler.skipped:
@@ -153,9 +160,7 @@ class RunRecorder:
         skipped = [r.pop("skipped_steps") for r in per_rank]
         if self.cfg.precision == "fp16":
             sections["loss_scaling"] = {"skipped_steps_per_rank": skipped}
-        memory: dict[str, Any] = {"per_rank": per_rank}
-        if self.peak:
-            memory["peak"] = self.peak.describe()
+        memory: dict[str, Any] = {"per_rank": per_rank, **({"peak": self.peak.describe()} if self.peak else {})}
         profile = self.profiler.report() if self.profiler else None
         if self.logs:
             final = {
@@ -165,6 +170,7 @@ class RunRecorder:
                 "samples_per_s": self.samples / self.train_time if self.train_time else None,
                 "wall_time_s": time.perf_counter() - self.started,
             }
+            final = self.throughput.report(final, sections) if self.throughput else final  # + tokens/s, MFU
             env, cfg = self.env, self.cfg
             run = {
                 "strategy": cfg.strategy,
@@ -179,20 +185,19 @@ class RunRecorder:
             }
             write_run_json(cfg.out, **run, profile=profile, final=final, memory=memory)
             written = ", ".join(os.path.join(self.cfg.out, f) for f in ("metrics.jsonl", "run.json", *files))
+            said = self.throughput.said(final) if self.throughput else ""  # a language's "12345 tokens/s | "
             print(
                 f"done: test accuracy {100 * final['test_accuracy']:.2f}% | {final['samples_per_s']:.0f} samples/s | "
-                f"{final['wall_time_s']:.1f} s | {written}",
+                f"{said}{final['wall_time_s']:.1f} s | {written}",
                 flush=True,
             )
         self.close()
 
     def close(self) -> None:
-        if self._scalars:
-            self._scalars.close()
-            self._scalars = None
-        if self._file:
-            self._file.close()
-            self._file = None
+        for part in (self._scalars, self._file):
+            if part:
+                part.close()
+        self._scalars = self._file = None
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._file:
@@ -270,8 +275,3 @@ def write_run_json(out_dir: str, **fields: Any) -> None:
         with open(path + ".tmp", "w") as f:
             json.dump(fields, f, indent=2)
         os.replace(path + ".tmp", path)
-
-
-def _clock(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

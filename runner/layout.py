@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from common.config import Config
 from common.errors import ConfigError
-from common.model_sizes import DATASET_SHAPES, check_tp, check_vit, input_shape
+from common.model_sizes import DATASET_SHAPES, check_tp, check_vit, input_shape, max_stages
 from common.pipeline_layout import PipelineLayout
 
 
@@ -33,3 +33,10 @@ def would_start(cfg: Config, world_size: int, *, planned: bool = False) -> bool:
     except (ConfigError, ValueError):
         return False
     return True
+
+
+def pipeline_replicas(cfg: Config, nproc: int) -> int:
+    """The fewest data-parallel replicas (--dp) that cut `nproc` ranks into pipelines no longer than the model has
+    blocks to cut (BabyGPT baby's 2): run_all.sh's pipeline when its flags give no --dp."""
+    stages = max_stages(cfg.model_size, cfg.model) // cfg.stages_per_rank
+    return next((dp for dp in range(1, nproc + 1) if nproc % dp == 0 and nproc // dp <= stages), 1)

@@ -14,7 +14,16 @@ from dataclasses import replace
 
 from common.config import Config
 from common.errors import ConfigError
-from common.model_sizes import blocks, layers, tp_degree, tp_fsdp_units, tp_layer_params
+from common.model_sizes import (
+    Layer,
+    blocks,
+    gpt_layers,
+    gpt_vocab,
+    layers,
+    tp_degree,
+    tp_fsdp_units,
+    tp_layer_params,
+)
 from runner.layout import would_start
 
 # Memory one CPU training process of this suite takes (torch, the built-in data set, BabyCNN, gloo), rounded up
@@ -31,7 +40,7 @@ def planned_peak_bytes(cfg: Config, world_size: int) -> int:
     FSDP x TP gathers a TP rank's part of the model);
     a pipeline rank holds its stages, with as many micro-batches in flight as the ranks after it; and every rank
     the activations of its share of the batch."""
-    model = layers(cfg.model_size, cfg.dataset, cfg.model)
+    model = model_layers(cfg)
     names = [layer.name for layer in model]
     params = sum(layer.params for layer in model)
     state = 16 if cfg.optimizer == "adamw" else 12
@@ -45,8 +54,17 @@ def planned_peak_bytes(cfg: Config, world_size: int) -> int:
         whole = tokens * (2 * width + 2 * width / (tp if cfg.sequence_parallel else 1))
         split = tokens * (3 * width + 2 * mlp) + heads * tokens * tokens
         kept_by_layer |= {f"block{i}": int(whole + split / tp) for i in range(depth)}
+    if cfg.model == "gpt" and tp > 1:  # the same for BabyGPT's blocks (gpt_layers' count), and its logits by vocabulary
+        from common.gpt_sizes import GPT_SIZES
+
+        shape, t = GPT_SIZES[cfg.model_size], cfg.seq_len
+        kv = shape.width // shape.heads * shape.kv_heads
+        whole = t * (2 * shape.width + 2 * shape.width / (tp if cfg.sequence_parallel else 1))
+        split = t * (2 * shape.width + 2 * kv + 3 * shape.mlp) + shape.heads * t * t
+        kept_by_layer |= {f"block{i}": int(whole + split / tp) for i in range(shape.depth)}
+        kept_by_layer["head"] = int(kept_by_layer["head"] - t * gpt_vocab(cfg.model_size, cfg.dataset) * (1 - 1 / tp))
     per_sample = 4 * sum(kept_by_layer.values())  # fp32 activations kept for backward
-    if cfg.model == "vit" and cfg.strategy == "fsdp" and cfg.activation_checkpointing:
+    if cfg.model in ("vit", "gpt") and cfg.strategy == "fsdp" and cfg.activation_checkpointing:
         # each block keeps its input (tokens x width, the embedding's output); one block's activations at a time
         kept = sum(model[0].outputs for layer in model if layer.name.startswith("block"))
         per_sample = 4 * (kept + max(layer.outputs for layer in model))
@@ -83,6 +101,13 @@ def planned_peak_bytes(cfg: Config, world_size: int) -> int:
     unit = params if cfg.shard_units == "model" else block
     gathered = 4 * params if cfg.sharding == "grad-op" else 4 * unit
     return state * params // shards + gathered + 4 * unit + batch
+
+
+def model_layers(cfg: Config) -> list[Layer]:
+    """The model's layers as model_sizes counts them, BabyGPT's at the run's --seq-len."""
+    if cfg.model == "gpt":
+        return gpt_layers(cfg.model_size, cfg.dataset, cfg.seq_len)
+    return layers(cfg.model_size, cfg.dataset, cfg.model)
 
 
 MB_PER_MIB = 2**20 / 1e6  # the runners measure in MiB and print MB and GB (10^6, 10^9 bytes), as the planner
@@ -153,7 +178,7 @@ def _what_fits(cfg: Config, *, nproc: int, world_size: int, on_cpu: bool, have: 
     On a CPU every process shares the machine's memory, so fewer processes need less for every strategy (DDP's are
     whole copies; a sharded strategy's shares add up to the same state, each process adds its runtime and its
     gathered unit). On GPUs a rank's share of FSDP, the pipeline or TP shrinks with more GPUs; DDP's never does."""
-    model = " --model vit" if cfg.model == "vit" else ""
+    model = f" --model {cfg.model}" if cfg.model != "cnn" else ""
 
     def each_mib(candidate: Config, ranks: int) -> float | None:  # None: not a run the flags allow
         return planned_peak_bytes(candidate, ranks) / 2**20 + runtime if would_start(candidate, ranks) else None

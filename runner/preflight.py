@@ -7,7 +7,7 @@ may have) and makes sure a torchvision data set is on disk, downloading it once 
 the network allows. --nproc: refuse more CPU processes than this machine's memory holds. --resume: refuse
 settings that would change the run's curve, and exit NOTHING_TO_DO when the run is already finished.
 --prepare-out (one machine): move a previous run in --out aside before a new run starts. It imports torch
-only when it has to download, so a normal launch pays ~0.1 s for it.
+only when it has to download or to read a --data-file, so a normal launch pays ~0.1 s for it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import tempfile
 from typing import Sequence
 
 from common.cli import parse_config
-from common.config import STRATEGIES, Config
+from common.config import STRATEGIES, TEXT_DATASETS, Config
 from common.data_files import DataMissingError, ensure_data
 from common.errors import ConfigError
 from common.resume import check_resume
@@ -99,6 +99,19 @@ def check_out(out: str) -> None:
         raise ConfigError(f"--out {out}: {problem}; choose a folder you can write to") from None
 
 
+def check_data(cfg: Config) -> None:
+    """The data is there: a torchvision data set on disk (fetched once here if missing), --data-file a readable,
+    non-empty text file (common/language.py's own check, which imports torch: paid only with --data-file). The
+    built-in data sets, digits and copy, are made by the workers."""
+    if cfg.dataset in TEXT_DATASETS:
+        if cfg.data_file:
+            from common.language import read_bytes
+
+            read_bytes(cfg.data_file)
+        return
+    ensure_data(cfg.dataset, cfg.data_dir)
+
+
 def _take(args: list[str], flag: str, *, has_value: bool = True) -> str | None:
     """Remove `flag` (and its value) from `args`; returns the value ("" for a switch), or None if absent."""
     if flag not in args:
@@ -134,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         meta = latest_meta(cfg.out) if cfg.resume else None
         if meta:
             check_resume(cfg, meta)
-        ensure_data(cfg.dataset, cfg.data_dir)
+        check_data(cfg)
         if meta and (finished := finished_line(cfg, meta)):
             print(finished)
             raise SystemExit(NOTHING_TO_DO)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 MB = 10**6  # decimal megabytes, the unit `python -m planner` and the docs use (not MiB)
+MODEL_NAMES = {"cnn": "BabyCNN", "vit": "BabyViT", "gpt": "BabyGPT"}
 
 # What must agree for two loss curves to be comparable step by step.
 MUST_MATCH = {
@@ -34,6 +35,9 @@ MUST_MATCH = {
     "model_size": "model size",
     "patch_size": "model (patch size)",
     "heads": "model (heads)",
+    "kv_heads": "model (key/value heads)",
+    "seq_len": "sequence length",
+    "data_file": "data file",
     "dropout": "model (dropout)",
 }
 
@@ -79,6 +83,15 @@ class Run:
     @property
     def label(self) -> str:
         return f"{os.path.basename(os.path.normpath(self.path))} ({self.settings}, {self.info['world_size']} proc)"
+
+    @property
+    def language(self) -> bool:
+        """A language model's run (BabyGPT): its throughput is in tokens."""
+        return self.config.get("model") == "gpt"
+
+    def tokens_per_s(self) -> float | None:
+        """run.json's tokens/s (a language model's: sequences x --seq-len per second), else None."""
+        return self.info.get("final", {}).get("tokens_per_s") if self.language else None
 
     def memory_per_rank(self) -> list[int]:
         return state_bytes_per_rank(self.info)
@@ -157,6 +170,7 @@ def table_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
                 "final train loss": final.get("train_loss"),
                 "test accuracy": final.get("test_accuracy"),
                 "samples/s": final.get("samples_per_s"),
+                **({"tokens/s": run.tokens_per_s()} if runs[0].language else {}),
                 "memory/rank (MB)": max(run.memory_per_rank()) / MB,
                 "max |Δloss| vs ref": max_loss_delta(run, runs[0]),
                 "max rel |Δgrad_norm| vs ref": max_grad_norm_delta(run, runs[0]),
@@ -231,7 +245,8 @@ def plot(runs: Sequence[Run], out: str, *, log_scale: bool) -> None:
             ax_delta.plot(shared, [max(abs(run.losses[s] - ref.losses[s]), 1e-9) for s in shared], **style)
     ax_step.set(title="training loss per step", xlabel="optimizer step", ylabel="loss (mean over the global batch)")
     ax_time.set(title="training loss against training time", xlabel="seconds (sum of step times)", ylabel="loss")
-    ax_acc.set(title="test accuracy at each evaluation", xlabel="optimizer step", ylabel="test accuracy (%)")
+    scored = "next-token accuracy (%)" if ref.language else "test accuracy (%)"  # a language's: its scored tokens
+    ax_acc.set(title="test accuracy at each evaluation", xlabel="optimizer step", ylabel=scored)
     ax_delta.set(
         title=f"|loss - loss of {os.path.basename(os.path.normpath(ref.path))}| per step (equal: drawn at 1e-9)",
         xlabel="optimizer step",
@@ -251,10 +266,12 @@ def plot(runs: Sequence[Run], out: str, *, log_scale: bool) -> None:
         if log_scale:
             ax.set_yscale("log")
     colors = [f"C{i}" for i in range(len(runs))]
-    speeds = ax_speed.bar(names, [r.info["final"]["samples_per_s"] or 0 for r in runs], color=colors)
+    language = ref.language  # a language model's throughput in tokens/s, an image model's in samples/s
+    speed = [(r.tokens_per_s() if language else r.info["final"]["samples_per_s"]) or 0 for r in runs]
+    speeds = ax_speed.bar(names, speed, color=colors)
     for bar, name in zip(speeds, names):
         bar.set_gid(name)  # (which run a bar is, for drawn())
-    ax_speed.set(title="training throughput", ylabel="samples / s")
+    ax_speed.set(title="training throughput", ylabel="tokens / s" if language else "samples / s")
     width = 0.8 / max(len(r.memory_per_rank()) for r in runs)
     for i, run in enumerate(runs):
         per_rank = run.memory_per_rank()
@@ -280,11 +297,12 @@ def plot(runs: Sequence[Run], out: str, *, log_scale: bool) -> None:
         ax.tick_params(axis="x", rotation=20)
     handles, labels = ax_step.get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(len(runs), 3), fontsize=9, frameon=False)
-    model = {"cnn": "BabyCNN", "vit": "BabyViT"}.get(ref.config.get("model", "cnn"), "the model")
+    model = MODEL_NAMES.get(ref.config.get("model", "cnn"), "the model")
     size = ref.config.get("model_size", "baby")
+    tokens = f" sequences of {ref.config['seq_len']} tokens" if ref.language else ""
     fig.suptitle(
         f"{model}{'' if size == 'baby' else f' ({size})'} on {ref.config['dataset']}, "
-        f"global batch {ref.config['batch_size']}, seed {ref.config['seed']}"
+        f"global batch {ref.config['batch_size']}{tokens}, seed {ref.config['seed']}"
     )
     fig.tight_layout(rect=(0, 0.07, 1, 0.97))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -296,15 +314,15 @@ def plot(runs: Sequence[Run], out: str, *, log_scale: bool) -> None:
 
 def drawn(fig: Any) -> dict[str, Any]:
     """What the figure shows, read back from its artists (not from what plot() meant to draw): the title, the
-    legend, and per panel its title, its curves ({"name": the run or the line's role, "points"}) and its bars
-    ({run: how many})."""
+    legend, and per panel its title, its y axis' label, its curves ({"name": the run or the line's role, "points"})
+    and its bars ({run: how many})."""
     panels = []
     for ax in fig.axes:
         bars: dict[str, int] = {}
         for patch in ax.patches:
             bars[patch.get_gid()] = bars.get(patch.get_gid(), 0) + 1
         curves = [{"name": line.get_gid(), "points": len(line.get_xdata())} for line in ax.get_lines()]
-        panels.append({"title": ax.get_title(), "curves": curves, "bars": bars})
+        panels.append({"title": ax.get_title(), "ylabel": ax.get_ylabel(), "curves": curves, "bars": bars})
     legend = [text.get_text() for legend in fig.legends for text in legend.get_texts()]
     return {"title": fig.get_suptitle(), "legend": legend, "panels": panels}
 
