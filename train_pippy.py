@@ -5,6 +5,7 @@
     bash run_pippy.sh --schedule zbv --stages-per-rank 2               # zero bubble, stages in a V
     bash run_pippy.sh --dp 2                                           # 2 replicas x 2 stages (2-D mesh)
     NPROC=8 bash run_pippy.sh --model vit --dp 2 --tp 2                # FSDP x PP x TP, a 3-D mesh (docs/mesh.md)
+    NPROC=2 bash run_pippy.sh --model gpt                              # BabyGPT: its 2 blocks, a stage each
     torchrun --standalone --nproc-per-node 4 train_pippy.py            # the same as the first, by hand
 
 The model is cut into consecutive stages, each rank holds one or more, and each replica's share of the
@@ -19,7 +20,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -31,7 +31,7 @@ from common.checkpoint import Checkpoints
 from common.cli import parse_config
 from common.clipping import clip_grad_norm
 from common.config import Config
-from common.data import GlobalBatchSampler, describe_data, load_dataset, to_device_batch
+from common.data import GlobalBatchSampler, blank_batch, describe_data, load_dataset, to_device_batch
 from common.distributed import DistEnv, RankLogger, run, setup_distributed, teardown_distributed
 from common.model import build_model
 from common.model_sizes import check_tp
@@ -41,6 +41,7 @@ from common.pipeline_layout import PipelineLayout
 from common.recorder import RunRecorder
 from common.runs import total_steps
 from common.training import autocast, build_optimizer, evaluate, loss_scaler, lr_at, set_lr
+from common.training import loss_fn as cross_entropy
 from train_tp import apply_tp
 
 # [PP] The schedules, by --schedule (docs/pipeline.md draws each): names in torch.distributed.pipelining, looked
@@ -149,10 +150,11 @@ def train(cfg: Config, env: DistEnv) -> None:
     # larger sizes; never after a view, which the zero-bubble schedules refuse as a stage's output)
     pieces = split_model(model, layout.stage_starts)
     log(describe_cut(pieces, layout))
-    shapes = stage_output_shapes(pieces, data.train.images[:1].float(), batch_size=chunk_size)  # for evaluation
+    shapes = stage_output_shapes(pieces, blank_batch(data, 1, torch.device("cpu")), batch_size=chunk_size)  # for eval
     torch.manual_seed(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
     modules = {i: pieces[i].to(env.device) for i in my_stages}  # [PP] this rank's stages only
-    plan = model.tp_plan()  # [TP] (--tp) which layers split how, by their names in the whole model
+    # [TP] (--tp) which layers split how, by their names; BabyGPT's logits whole on the last stage, for the loss
+    plan = model.tp_plan(loss_parallel=False) if cfg.model == "gpt" else model.tp_plan()
     if cfg.compile:  # [PP] a graph per stage module: the send/recv between stages stays outside the graphs
         compile_stages(list(modules.values()), env.device)
     dp, tp = (mesh[dim] if mesh[dim].size() > 1 else None for dim in ("dp", "tp"))  # [PP] FSDP, TP (--dp, --tp)
@@ -160,10 +162,10 @@ def train(cfg: Config, env: DistEnv) -> None:
     scaler = loss_scaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # [PP] A micro-batch's mean loss divided by the micro-batches (and accumulation steps): the losses the
-        # schedule returns add up to the batch's mean, and their gradients to DDP's. fp16 scales it here, the only
-        # place a pipeline has the loss.
-        return scaler.scale(F.cross_entropy(logits.float(), labels) / (cfg.n_microbatches * cfg.grad_accum_steps))
+        # [PP] A micro-batch's mean loss (a language's: over its scored positions, as many in every sequence) divided
+        # by the micro-batches (and accumulation steps): the losses the schedule returns add up to the batch's mean,
+        # and their gradients to DDP's. fp16 scales it here, the only place a pipeline has the loss.
+        return scaler.scale(cross_entropy(logits.float(), labels) / (cfg.n_microbatches * cfg.grad_accum_steps))
 
     schedule = make_schedule(cfg.schedule, stages, cfg.n_microbatches, loss_fn)  # [PP]
     # This rank's layers under their own names (conv1.weight, ...), as in the whole model: the module
