@@ -1,4 +1,4 @@
-"""Train BabyCNN with tensor parallelism (TP), alone or with FSDP over the replicas (FSDP x TP, a 2-D mesh).
+"""Train BabyCNN, the ViT or BabyGPT with tensor parallelism (TP), alone or with FSDP over the replicas (FSDP x TP).
 
     bash run_tp.sh                                          # 4 processes: 4-way TP, GPUs + NCCL, else CPU + gloo
     bash run_tp.sh --dp 2                                   # 2 replicas x 2-way TP, FSDP across the replicas
@@ -8,19 +8,26 @@
 The classifier's linear layers are split across the TP ranks of a replica in column/row pairs (Megatron's):
 the first cuts its output features, the second its input features and all-reduces what it outputs, so every
 TP rank holds 1/tp of those weights and ends with the whole logits. The convolutions are replicated: every TP
-rank of a replica runs them on the same batch (docs/tp.md). Lines specific to TP are marked `# [TP]`.
+rank of a replica runs them on the same batch (docs/tp.md). BabyGPT's output layer is split by its vocabulary and
+its loss computed on those shards (`loss_parallel`): no rank holds the whole logits. Lines specific to TP: `# [TP]`.
 """
 
 import warnings
+from contextlib import nullcontext
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 from common.checkpoint import Checkpoints
 from common.cli import parse_config
@@ -32,7 +39,7 @@ from common.model import build_model
 from common.model_sizes import check_tp
 from common.recorder import RunRecorder
 from common.runs import total_steps
-from common.training import autocast, build_optimizer, evaluate, global_mean, loss_scaler, lr_at, set_lr
+from common.training import autocast, build_optimizer, evaluate, global_mean, loss_fn, loss_scaler, lr_at, set_lr
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -107,11 +114,9 @@ def train(cfg: Config, env: DistEnv) -> None:
     # [TP] A 2-D mesh: "dp" indexes the replicas, "tp" the ranks that split one replica's layers (rank = replica
     # * tp + tp_rank: a replica's TP ranks are neighbours, on one machine where they can be)
     mesh = init_device_mesh(env.device.type, (cfg.dp, env.world_size // cfg.dp), mesh_dim_names=("dp", "tp"))
-    replica = mesh.get_local_rank("dp")  # [TP] every TP rank of a replica trains on the same samples
-    log(
-        f"TP | {env.world_size} processes = {cfg.dp} replica(s) x {env.world_size // cfg.dp} TP ranks on "
-        f"{env.device.type}/{env.backend} | torch {torch.__version__}"
-    )
+    replica, tp = mesh.get_local_rank("dp"), mesh["tp"].size()  # [TP] a replica's TP ranks train on its samples
+    where = f"{env.device.type}/{env.backend} | torch {torch.__version__}"
+    log(f"TP | {env.world_size} processes = {cfg.dp} replica(s) x {tp} TP ranks on {where}")
 
     # ---- data: every rank holds the whole data set; the sampler gives each replica its slice of each batch
     data = load_dataset(cfg, download=env.world_size == 1)  # (the runners download before torchrun starts)
@@ -130,6 +135,8 @@ def train(cfg: Config, env: DistEnv) -> None:
     model = apply_tp(model, mesh["tp"], plan, dp_mesh=dp_mesh, dp_units=model.blocks(), compile=cfg.compile)
     optimizer = build_optimizer(model.parameters(), cfg)
     scaler = loss_scaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
+    # [TP] BabyGPT's logits stay split by vocabulary (Shard(-1)): the loss on the shards, in forward and backward
+    split_loss = loss_parallel if cfg.model == "gpt" else nullcontext
 
     # resume or start afresh, save every --checkpoint-every steps, and on a preemption signal save and stop
     checkpoints = Checkpoints(cfg, model, [optimizer], scaler, sampler=sampler, steps=steps, log=log)
@@ -145,7 +152,8 @@ def train(cfg: Config, env: DistEnv) -> None:
     def run_eval(step: int) -> None:
         model.eval()  # (dropout off)
         # [TP] each replica its shard of the test set; its TP ranks count it alike, which the ratios do not mind
-        test = evaluate(lambda x, _: model(x), data, part=replica, parts=cfg.dp, device=env.device)
+        with split_loss():
+            test = evaluate(lambda x, _: model(x), data, part=replica, parts=cfg.dp, device=env.device)
         recorder.eval(step, *test)
         model.train()
 
@@ -165,24 +173,22 @@ def train(cfg: Config, env: DistEnv) -> None:
             if cfg.dp > 1:
                 model.set_requires_gradient_sync(i == cfg.grad_accum_steps - 1)  # [TP] (FSDP x TP)
             # [TP] the row-wise layers all-reduce their outputs inside forward ("gloo:all_reduce" in the trace)
-            with autocast(cfg, env.device), recorder.span("forward"):
+            with split_loss(), autocast(cfg, env.device), recorder.span("forward"):
                 # divided by the accumulation steps, the summed gradients are those of the chunk mean
-                loss = F.cross_entropy(model(x), y) / cfg.grad_accum_steps
+                loss = loss_fn(model(x), y) / cfg.grad_accum_steps
             # [TP] the column-wise layers all-reduce the gradients they pass back inside backward
-            with recorder.span("backward"):
+            with split_loss(), recorder.span("backward"):
                 scaler.scale(loss).backward()
-            loss_sum += loss.detach()
+            loss_sum += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()  # [TP] (BabyGPT's)
         # [TP] --sequence-parallel: each rank's LayerNorms saw its own tokens: their gradients are partial sums
         for p in (p for p in model.parameters() if p.grad is not None and p.grad.placements != p.placements):
             p.grad = p.grad.redistribute(placements=p.placements)  # an all-reduce (FSDP x TP's reduce does it)
-        # [TP] Clip once per step, after the last backward, by the norm of the whole gradient: each split layer's
-        # gradient is a DTensor that says over which mesh dims it is sharded, and its squares are added over
-        # those; the replicated layers (the convolutions) count once.
+        # [TP] Clip once per step, after the last backward, by the whole gradient's norm: each split layer's gradient
+        # is a DTensor that says over which mesh dims it is sharded, its squares added over those; the others once
         grad_norm = clip_grad_norm(model.parameters(), cfg.max_grad_norm, loss_scale=scaler.value)
         with recorder.span("optimizer"):
             scaler.step(optimizer, grad_norm)  # fp16: not if the gradients overflowed (the same on every rank)
-        # loss_sum is this replica's mean loss (the same on its TP ranks): the mean over all ranks is the mean
-        # over the whole global batch
+        # this replica's mean loss (the same on its TP ranks): the mean over all ranks is the global batch's
         recorder.train(step, loss=global_mean(loss_sum), lr=lr, grad_norm=grad_norm, scaler=scaler)
         if recorder.eval_due(step):
             run_eval(step)
@@ -191,7 +197,7 @@ def train(cfg: Config, env: DistEnv) -> None:
 
     run_eval(steps)
     split_layers = [name for name, style in plan.items() if isinstance(style, (ColwiseParallel, RowwiseParallel))]
-    recorder.finish(mesh={"dp": cfg.dp, "tp": mesh["tp"].size()}, tp={"split_layers": split_layers})
+    recorder.finish(mesh={"dp": cfg.dp, "tp": tp}, tp={"split_layers": split_layers})
 
 
 if __name__ == "__main__":

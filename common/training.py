@@ -117,25 +117,25 @@ def evaluate(
     and the sums of losses and hits are reduced over all ranks. `forward(images, labels)` returns the logits, or
     None on a rank that does not hold them (a pipeline rank without the last stage). Every evaluator makes as many
     forward calls as the longest shard needs, because sharded models and pipelines communicate inside forward: a
-    shorter shard runs an empty batch or, with `fixed_batch` (a pipeline, whose buffers the first step sized: every
-    batch exactly that size), batches padded with copies of image 0 whose rows are not counted."""
+    shorter shard runs image 0 alone where it has no images left (not counted; TP's DTensors loop on an empty batch,
+    torch 2.14.1) or, with `fixed_batch` (a pipeline's buffer size), batches padded with uncounted copies of image 0."""
     batch_size = fixed_batch or EVAL_BATCH_SIZE
     shard = shard_range(len(data.test), part, parts)
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, hits, count
     for start in range(0, max(longest_shard(len(data.test), parts), 1), batch_size):
         indices = torch.arange(shard.start + start, min(shard.start + start + batch_size, shard.stop))
         n_real = len(indices)
-        if fixed_batch:
-            indices = torch.cat([indices, indices.new_zeros(batch_size - n_real)])
+        if fixed_batch or not n_real:
+            indices = torch.cat([indices, indices.new_zeros((fixed_batch or 1) - n_real)])
         images, labels = to_device_batch(data.test, indices, data, device)
         logits = forward(images, labels)
-        if logits is not None:
-            logits, labels = logits[:n_real].float(), labels[:n_real]
-            if logits.dim() == 3:  # a language's: its scored positions (BabyGPT's accuracy: exact match on them)
-                logits, labels = logits[labels != -100], labels[labels != -100]
-            totals[0] += F.cross_entropy(logits, labels, reduction="sum").double()
-            totals[1] += (logits.argmax(dim=1) == labels).sum()
-            totals[2] += len(labels)
+        if logits is not None and n_real:
+            # a language's positions in a row (-100: no loss, no hit); TP's split logits: on the shards, then whole
+            logits, labels = logits[:n_real].float().flatten(0, -2), labels[:n_real].flatten()
+            loss, predicted = F.cross_entropy(logits, labels, reduction="sum"), logits.argmax(dim=1)
+            if hasattr(loss, "full_tensor"):  # (train_tp.py's loss_parallel; the argmax: each slice's best, gathered)
+                loss, predicted = loss.full_tensor(), predicted.full_tensor()
+            totals += torch.stack([loss.double(), (predicted == labels).sum(), (labels != -100).sum()])
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)
     loss_sum, hits, count = totals.tolist()
     return loss_sum / count, hits / count
