@@ -12,6 +12,9 @@ Per rank, into `<out>.observed/rank<r>.json`:
 - "dropout": at the first training forward of a dropout layer, the global RNG's seed and a digest of its mask
   (the scripts re-seed each rank: different masks, same weights);
 - "fsdp_offload": whether each FSDP2 parameter is offloaded to the CPU, as FSDP's own state says;
+- "dtensor_outputs": of each kind of layer whose output left it a DTensor in training (after the layer's own hooks,
+  a TP style's among them: what the next layer or the loss received), each distinct {"local": the shape this rank
+  held, "global": the DTensor's, "placements"} (BabyGPT's logits split by vocabulary, its sequence-parallel norms);
 - "dynamo": how many Python frames dynamo compiled during the run (--compile), from its own counters.
 """
 
@@ -46,6 +49,7 @@ class Observer:
         self.frames_before = compiled_frames()
         self.handles = [nn.modules.module.register_module_forward_hook(self.forward)] if hooks else []
         self.names: dict[int, str] = {}
+        self.hooked: set[int] = set()  # the layers whose own hooks end with `returned`
 
     def forward(self, module: nn.Module, _args: tuple, output: Any) -> None:
         if not module.training:
@@ -61,6 +65,9 @@ class Observer:
         if not params or list(module.children()):
             return  # a layer of its own: Conv2d, Linear, LayerNorm
         kind = type(module).__name__
+        if id(module) not in self.hooked:  # after the layer's own hooks (from its next call on): what it handed on
+            self.hooked.add(id(module))
+            self.handles.append(module.register_forward_hook(self.returned))
         out = output.to_local() if hasattr(output, "to_local") else output
         inside_backward = torch._C._current_graph_task_id() != -1
         if isinstance(out, torch.Tensor):  # in forward, and in the forwards recomputed inside backward
@@ -74,6 +81,14 @@ class Observer:
         if id(module) not in self.names:
             self.names[id(module)] = key
             self.found["first_weights"][key] = digest(params)
+
+    def returned(self, module: nn.Module, _args: tuple, output: Any) -> None:
+        if not module.training or torch._C._current_graph_task_id() != -1 or not hasattr(output, "to_local"):
+            return  # a DTensor in training forward only
+        held = {"local": list(output.to_local().shape), "global": list(output.shape)}
+        held["placements"] = [str(p) for p in output.placements]
+        if held not in (seen := self.found.setdefault("dtensor_outputs", {}).setdefault(type(module).__name__, [])):
+            seen.append(held)
 
     def close(self, out: str, rank: int) -> None:
         for handle in self.handles:
