@@ -1,4 +1,5 @@
-"""The conventional baseline: BabyCNN trained the way most DDP tutorials do it, for the benchmark to beat.
+"""The conventional baseline: BabyCNN trained the way most DDP tutorials do it, for the benchmark to beat; --model gpt:
+BabyGPT in nanoGPT's plain loop (`python -m bench --model gpt` sets it beside train_ddp.py).
 
     python -m bench.baseline --out runs/baseline --max-steps 100
     torchrun --standalone --nproc-per-node 4 -m bench.baseline --out runs/baseline
@@ -23,6 +24,7 @@ from torchvision import transforms
 
 from common.data import NORMALISATION
 from common.digits import make_digits
+from common.language import COPY_VOCAB, make_copy
 from common.model import build_model
 from common.recorder import measure_memory, write_run_json
 
@@ -52,26 +54,34 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--train-size", type=int, default=12800)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-workers", type=int, default=0)
+    parser.add_argument("--model", choices=("cnn", "gpt"), default="cnn")
+    parser.add_argument("--seq-len", type=int, default=64, help="gpt: tokens per sequence of the copy task")
     args = parser.parse_args(argv)
 
     distributed = "RANK" in os.environ
     if distributed:
         dist.init_process_group("gloo")
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    images, labels = make_digits(args.train_size, seed=args.seed)
-    mean, std = NORMALISATION["digits"]
-    transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize(mean, std)])
-    dataset = DigitImages(images[:, 0], labels, transform)
-    sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed, drop_last=True) if distributed else None
-    loader = DataLoader(
-        dataset,
-        batch_size=args.batch_size // world_size,
-        shuffle=sampler is None,
-        sampler=sampler,
-        num_workers=args.num_workers,
-        drop_last=True,
-    )
-    model = build_model(seed=args.seed, in_channels=1, image_size=28, num_classes=10, dropout=0.1)
+    if args.model == "gpt":  # nanoGPT's get_batch: each step random sequences indexed from the tensors, no DataLoader
+        tokens, targets = make_copy(args.train_size, args.seq_len, seed=args.seed)
+        picks, sampler = torch.Generator().manual_seed(args.seed + rank), None
+        shape = (args.train_size // args.batch_size, args.batch_size // world_size)  # an epoch's steps, rank's share
+        model = build_model(model="gpt", seed=args.seed, vocab_size=COPY_VOCAB, seq_len=args.seq_len, dropout=0.1)
+    else:
+        images, labels = make_digits(args.train_size, seed=args.seed)
+        mean, std = NORMALISATION["digits"]
+        transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize(mean, std)])
+        dataset = DigitImages(images[:, 0], labels, transform)
+        sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed, drop_last=True) if distributed else None
+        loader = DataLoader(
+            dataset,
+            batch_size=args.batch_size // world_size,
+            shuffle=sampler is None,
+            sampler=sampler,
+            num_workers=args.num_workers,
+            drop_last=True,
+        )
+        model = build_model(seed=args.seed, in_channels=1, image_size=28, num_classes=10, dropout=0.1)
     if distributed:
         model = DDP(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -81,7 +91,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     for epoch in range(args.epochs):
         if sampler is not None:
             sampler.set_epoch(epoch)  # a different shuffle each epoch, the same on every rank
-        batches = iter(loader)
+        picked = torch.randint(args.train_size, shape, generator=picks) if args.model == "gpt" else None
+        batches = iter(loader) if picked is None else ((tokens[i], targets[i]) for i in picked)  # (gpt: sequences)
         while not args.max_steps or step < args.max_steps:
             started = time.perf_counter()
             try:
@@ -90,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 break
             data_time = time.perf_counter() - started
             optimizer.zero_grad()
-            loss = F.cross_entropy(model(images), labels)
+            loss = F.cross_entropy(model(images).flatten(0, -2), labels.flatten())  # (gpt: every position's)
             loss.backward()
             optimizer.step()
             loss_value = loss.item()  # this rank's loss: the tutorials log rank 0's, not the global mean

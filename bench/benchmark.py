@@ -3,6 +3,7 @@
     python -m bench                      # the default suite (~10 min on 2 cores): runs/bench/bench.{json,md}
     python -m bench --only ddp,baseline --procs 1,2 --timed-steps 10
     python -m bench --quick              # seconds: tiny settings, for the smoke test
+    python -m bench --model gpt --procs 1  # BabyGPT: train_ddp.py against the plain loop (bench/baseline.py)
 
 docs/performance.md says what each phase measures and what each number in bench.json and bench.md is.
 """
@@ -33,6 +34,7 @@ class Settings:  # what every launch of one benchmark shares
     timed: int  # the steps that samples/s and the step times are taken over
     test_size: int  # the short runs' test set (evaluated after training)
     train_size: int = 0  # the data set of the short runs; 0: the scripts' default
+    model: str = "cnn"  # gpt: BabyGPT in every launch, the baseline's too
 
 
 @dataclass
@@ -49,6 +51,7 @@ class RunSpec:
     def flags(self, s: Settings) -> list[str]:
         """Every flag of the launch but --out."""
         own = [*self.args, *(["--precision", self.precision] if self.precision != "fp32" else [])]
+        own += ["--model", s.model] if s.model != "cnn" else []
         own += ["--batch-size", str(s.batch_size)]
         if self.full:
             return own
@@ -128,17 +131,18 @@ def machine_peaks(*, n: int, repeats: int) -> dict[str, dict[str, float]]:
     return {"peak_by_threads_gflops": by_threads, "peak_gflops": {d: p for (d, t), p in peaks.items() if t == CORES}}
 
 
-def model_flops(size: str = "baby", dataset: str = "digits") -> dict[str, Any]:
-    """Training FLOPs per sample of the layers that have any: backward is twice forward (the gradients of the
-    input and of the weights) but for the first layer, whose input (the images) needs no gradient."""
+def model_flops(model: str = "cnn") -> dict[str, Any]:
+    """Training FLOPs per sample (BabyGPT: a sequence of 64 tokens) of the layers that have any: backward is twice
+    forward (the input's and the weights' gradients) but for BabyCNN's first layer, whose input needs no gradient."""
     from common.model_sizes import layers
 
-    counted = [layer for layer in layers(size, dataset) if layer.flops]
+    counted = [layer for layer in layers("baby", "copy" if model == "gpt" else "digits", model) if layer.flops]
     rows = [
-        {"layer": layer.name, "forward": layer.flops, "backward": layer.flops * (1 if i == 0 else 2)}
+        {"layer": layer.name, "forward": layer.flops, "backward": layer.flops * (1 if i == 0 and model == "cnn" else 2)}
         for i, layer in enumerate(counted)
     ]
-    return {"train_flops_per_sample": sum(r["forward"] + r["backward"] for r in rows), "layers": rows}
+    flops = sum(r["forward"] + r["backward"] for r in rows)
+    return {"train_flops_per_sample": flops, "layers": rows, **({"seq_len": 64} if model == "gpt" else {})}
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -147,6 +151,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     add("--out", default="runs/bench", help="where bench.json, bench.md and the run folders go")
     add("--procs", default="1,2,4", help="process counts for the scaling runs")
     add("--only", default="", help="comma-separated strategies to launch (baseline,ddp,fsdp,pippy)")
+    add("--model", default="cnn", choices=("cnn", "gpt"), help="gpt: BabyGPT, the baseline and DDP only, fp32")
     add("--batch-size", type=int, default=128, help="global batch of every run")
     add("--warmup-steps", type=int, default=3)
     add("--timed-steps", type=int, default=30)
@@ -204,16 +209,13 @@ def _spread(values: Sequence[float] | None, spec: str, what: str) -> str:
     return f" ({min(values):{spec}}–{max(values):{spec}}{what.format(n=len(values))})" if len(values) > 1 else ""
 
 
-def _round_ratios(row: dict[str, Any], other: dict[str, Any]) -> list[float]:
-    rounds = zip(row.get("samples_per_s_of_each_launch", []), other.get("samples_per_s_of_each_launch", []))
-    return [a / b for a, b in rounds if a and b]
-
-
 def annotate(rows: list[dict], *, flops_per_sample: float, peaks: dict[str, float]) -> None:
     """Add achieved GFLOP/s, its fraction of the machine's peak, and the ratio to the baseline and of bf16 to its
     fp32 twin, each also round by round."""
     baseline = {r["nproc"]: r for r in rows if r["strategy"] == "baseline" and r.get("samples_per_s")}  # by procs
     fp32_twin = {(r["name"], r["nproc"], r["launcher"]): r for r in rows if r["precision"] == "fp32"}
+    launches = lambda r: r.get("samples_per_s_of_each_launch", [])  # noqa: E731
+    each = lambda a, b: [x / y for x, y in zip(launches(a), launches(b)) if x and y]  # noqa: E731 (round by round)
     for row in (row for row in rows if row.get("samples_per_s")):
         row["model_gflops"] = row["samples_per_s"] * flops_per_sample / 1e9
         peak = peaks.get(row["precision"])
@@ -221,13 +223,13 @@ def annotate(rows: list[dict], *, flops_per_sample: float, peaks: dict[str, floa
         rival = baseline.get(row["nproc"])
         if rival:
             row["vs_baseline"] = row["samples_per_s"] / rival["samples_per_s"]
-            ratios = _round_ratios(row, rival)
+            ratios = each(row, rival)
             if len(ratios) > 1 and row["strategy"] != "baseline":
                 row["vs_baseline_each_round"] = ratios
         twin = fp32_twin.get((row["name"], row["nproc"], row["launcher"]))
         if row["precision"] == "bf16" and twin and twin.get("samples_per_s"):  # the bf16 speed-up, side by side
             row["vs_fp32"] = row["samples_per_s"] / twin["samples_per_s"]
-            row["vs_fp32_each_round"] = _round_ratios(row, twin)
+            row["vs_fp32_each_round"] = each(row, twin)
 
 
 def scaling_table(rows: list[dict]) -> dict[str, dict[str, float]]:
@@ -240,8 +242,7 @@ def scaling_table(rows: list[dict]) -> dict[str, dict[str, float]]:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    parts = [_header, _runs, _ratios]
-    return "\n".join(line for part in parts for line in part(report)) + "\n"
+    return "\n".join(line for part in (_header, _runs, _ratios) for line in part(report)) + "\n"
 
 
 def _section(*paragraphs: str | list[str]) -> list[str]:
@@ -262,7 +263,7 @@ def _header(report: dict[str, Any]) -> list[str]:
         f"run: all steps after the warm-up). Matmul peak ({s['peak_n']}^3, best of {s['peak_repeats']}): "
         f"{', '.join(f'{k} {v:.0f}' for k, v in peaks.items())} GFLOP/s; a run's % of peak is of the all-cores "
         f"figure in its dtype. Model: {report['model']['train_flops_per_sample'] / 1e6:.1f} MFLOP per sample "
-        "(forward + backward).",
+        "(forward + backward)" + (f", a sequence of {t} tokens." if (t := report["model"].get("seq_len")) else "."),
     ]
 
 
@@ -288,7 +289,11 @@ def _runs(report: dict[str, Any]) -> list[str]:
 
 def _ratios(report: dict[str, Any]) -> list[str]:
     """bf16 against fp32 (by round, where launched in the same rounds), the scaling table, the DataLoader's wait."""
-    lines, scaling = [], report.get("scaling") or {}
+    lines, scaling, seq_len = [], report.get("scaling") or {}, report["model"].get("seq_len")
+    for r in (r for r in report["runs"] if seq_len and r["strategy"] != "baseline" and r.get("vs_baseline")):
+        tokens, rounds = r["samples_per_s"] * seq_len, _spread(r.get("vs_baseline_each_round"), ".2f", " by round")
+        lines += _section(f"BabyGPT's tokens/s on {r['nproc']} proc: {r['name']} {tokens:.0f}, the plain loop "
+                          f"{tokens / r['vs_baseline']:.0f}: {r['vs_baseline']:.2f}×{rounds}.")  # fmt: skip
     for r in (r for r in report["runs"] if r.get("vs_fp32")):
         where = f"{r['name']} on {r['nproc']} process{'es' if r['nproc'] > 1 else ''}"
         rounds = _spread(r.get("vs_fp32_each_round"), ".2f", " by round")
@@ -315,10 +320,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     report: dict[str, Any] = {"settings": dict(vars(args))}
     say("the matmul peak, the model's FLOPs")
     report.update(machine_peaks(n=args.peak_n, repeats=args.peak_repeats))
-    report["model"] = model_flops()
+    report["model"] = model_flops(args.model)
     test_size, train_size = (64, 1024) if args.quick else (TEST_SIZE, 0)  # 0: the scripts' default
-    settings = Settings(args.batch_size, args.warmup_steps, args.timed_steps, test_size, train_size)
+    settings = Settings(args.batch_size, args.warmup_steps, args.timed_steps, test_size, train_size, args.model)
     plan = QUICK_PLAN if args.quick else default_plan(args.procs)
+    if args.model == "gpt":  # the plain loop's rivals: DDP's, round by round (the other strategies: run_all.sh)
+        plan = [p for p in plan if p.scaling and p.strategy in ("baseline", "ddp") and p.precision == "fp32"]
     plan = [spec for spec in plan if not args.only or spec.strategy in args.only.split(",")]
     rows = launch_all(plan, settings, work=out, repeats=args.repeats, say=say)
     annotate(rows, flops_per_sample=report["model"]["train_flops_per_sample"], peaks=report["peak_gflops"])

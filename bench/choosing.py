@@ -117,12 +117,6 @@ def markdown(rows: list[dict[str, Any]], profile_name: str) -> str:
     return "\n".join([*lines, "", note + f"-{STEPS}; — not run here."]) + "\n"
 
 
-def write(out: Path, rows: list[dict[str, Any]], profile_name: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "choosing.md").write_text(markdown(rows, profile_name.split(",")[0]))
-    (out / "choosing.json").write_text(json.dumps({"profile": profile_name, "rows": rows}, indent=1))
-
-
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = Parser("python -m bench.choosing", __doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/choosing", help="where choosing.md and choosing.json go")
@@ -147,6 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         fail(str(e))
     out, started, rows = Path(args.out).resolve(), time.perf_counter(), []
+    out.mkdir(parents=True, exist_ok=True)
     models = {"cnn": ("baby",)} if args.quick else MODELS
     for model, sizes in models.items():
         for size_name in sizes:
@@ -155,7 +150,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 row = planned(model, size_name, variant, profile)
                 launches = 0 if args.quick or size_name not in MEASURED_SIZES else args.repeats
                 rows.append(row | {"cpu_runs": [measured(model, variant, out) for _ in range(launches)]})
-                write(out, rows, profile.name)  # row by row: a run cut short keeps what it found
+                record = {"profile": profile.name, "rows": rows}  # written row by row: a run cut short keeps them
+                (out / "choosing.md").write_text(markdown(rows, profile.name.split(",")[0]))
+                (out / "choosing.json").write_text(json.dumps(record, indent=1))
     print((out / "choosing.md").read_text() + f"({len(rows)} rows in {time.perf_counter() - started:.0f} s; {out})")
     return 0
 

@@ -180,17 +180,15 @@ def mean_s(call: Callable[[], object] | None, count: int, env: DistEnv) -> float
     dist.barrier()
     if call is None:
         return 0.0
-    if env.device.type == "cuda":  # the GPU's clock: a call returns once it is queued on the stream, not done
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(count):
-            call()
+    gpu = env.device.type == "cuda"  # the GPU's clock: a call returns once it is queued on the stream, not done
+    start, end = (torch.cuda.Event(enable_timing=True) for _ in "se") if gpu else (None, None)
+    started = start.record() if gpu else time.perf_counter()
+    for _ in range(count):
+        call()
+    if gpu:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / count
-    started = time.perf_counter()
-    for _ in range(count):
-        call()
     return (time.perf_counter() - started) / count
 
 

@@ -188,10 +188,6 @@ def _counted_step(cfg: Any, model: Any) -> tuple[Any, Any]:
     return step, counter.count
 
 
-def _step_seconds(step: Any, repeats: int = 20) -> float:
-    return statistics.median(_timed(step) for _ in range(repeats))
-
-
 def _timed(call: Any, *args: Any, **kwargs: Any) -> float:
     started = time.perf_counter()
     call(*args, **kwargs)
@@ -204,9 +200,9 @@ def beyond_operators(step: Any, ops: Any) -> tuple[float, int]:
     pays_call_cost)."""
     from planner.timing import pays_call_cost
 
-    before = _step_seconds(step)
-    alone = sum(op.calls * (time_op(op) or 0.0) for op in ops.values())
-    measured = (before + _step_seconds(step)) / 2
+    step_s = lambda: statistics.median(_timed(step) for _ in range(20))  # noqa: E731 (the median of 20 steps)
+    before, alone = step_s(), sum(op.calls * (time_op(op) or 0.0) for op in ops.values())
+    measured = (before + step_s()) / 2
     return measured - alone, sum(op.calls for op in ops.values() if pays_call_cost(op))
 
 

@@ -100,11 +100,6 @@ def launch_one(row: dict[str, Any], *, out: Path, steps: int) -> None:
         row["error"] = row["predicted"]["samples_per_s"] / row["samples_per_s"] - 1
 
 
-def _spread(r: dict[str, Any]) -> float | None:
-    rounds = r.get("rounds") or []
-    return max(rounds) / min(rounds) - 1 if len(rounds) > 1 else None
-
-
 def _cell(key: str, spec: str, scale: float) -> Callable[[dict[str, Any]], str]:
     return lambda r: fmt(r.get(key), spec, scale)
 
@@ -116,7 +111,7 @@ COLUMNS: list[tuple[str, Callable[[dict[str, Any]], object]]] = [
     ("samples/s", lambda r: fmt(r.get("samples_per_s"), ".0f")),
     ("predicted", lambda r: fmt(r["predicted"]["samples_per_s"], ".0f")),
     ("error", lambda r: fmt(r.get("error"), "+.0%")),
-    ("spread", lambda r: fmt(_spread(r), ".0%")),
+    ("spread", lambda r: fmt(max(r["rounds"]) / min(r["rounds"]) - 1 if len(r.get("rounds", ())) > 1 else None, ".0%")),
     ("stolen", lambda r: fmt(max(r.get("stolen", []), default=None), ".1%")),
     ("compute ms", lambda r: fmt(r["predicted"]["compute_s"], ".1f", 1e3)),
     ("communication ms", lambda r: fmt(r["predicted"]["communication_s"], ".1f", 1e3)),
