@@ -269,11 +269,79 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "with torch.autocast(env.device.type, enabled=False):",
         ["tests/integration/test_pippy.py", "-k", "bf16"],
     ),
+    "gpt-pipeline-loss-positions": (  # the pipeline's loss a mean over every position, the unscored included
+        # (BabyCNN's 2-D logits: the same mean as before; BabyGPT's copy task: half its loss)
+        "train_pippy.py",
+        "cross_entropy(logits.float(), labels)",
+        'torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="sum") '
+        "/ labels.numel()",
+        ["tests/integration/test_gpt_pipeline.py", "-k", "follows_one_process and pp2-1f1b"],
+    ),
+    "gpt-3d-tp": (  # --tp ignored inside BabyGPT's stages: every rank its stage's whole layers (FSDP's half)
+        "train_pippy.py",
+        "dp_mesh=dp, tp_mesh=tp, tp_plan=plan",
+        "dp_mesh=dp",
+        ["tests/integration/test_gpt_pipeline.py", "-k", "8_processes"],
+    ),
+    "pipeline-eval-padding": (  # evaluation counts the rows that pad the pipeline's last test batch
+        "common/training.py",
+        "logits, labels = logits[:n_real].float().flatten(0, -2), labels[:n_real].flatten()",
+        "logits, labels = logits.float().flatten(0, -2), labels.flatten()",
+        ["tests/integration/test_gpt_pipeline.py", "-k", "follows_one_process and pp2-1f1b"],
+    ),
     "resume-unreadable": (  # the runner's preflight moves aside a run whose checkpoints' meta.json it cannot read
         "runner/preflight.py",
         "if not meta and not unreadable and move_aside",
         "if not meta and move_aside",
         ["tests/integration/test_ddp.py", "-k", "every_checkpoint_is_damaged"],
+    ),
+    "gpt-loss-scored": (  # BabyGPT's training loss over every position, the unscored ones as token 0
+        "common/training.py",
+        "return F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))",
+        "return F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1).clamp(min=0))",
+        ["tests/integration/test_gpt.py", "-k", "loss_scores"],
+    ),
+    "gpt-eval-scored": (  # BabyGPT's evaluation counts every position, scored or not
+        "common/training.py",
+        "(labels != -100).sum()])",
+        "labels.new_tensor(labels.numel())])",
+        ["tests/integration/test_gpt.py", "-k", "evaluation_scores"],
+    ),
+    "fsdp-block-units": (  # --shard-units blocks shards the model as one unit
+        "train_fsdp.py",
+        'units=model.blocks() if cfg.shard_units == "blocks" else [],',
+        "units=[],",
+        ["tests/integration/test_gpt.py", "-k", "unit_per_block"],
+    ),
+    "gpt-logits-gathered": (  # BabyGPT's output layer gathers the logits whole on every TP rank: the loss on them
+        "common/gpt.py",
+        'out = split if loss_parallel else {"output_layouts": gathered}',
+        'out = {"output_layouts": gathered}',
+        ["tests/integration/test_gpt_tp.py", "-k", "vocabulary_slice or never_gathered"],
+    ),
+    "gpt-sequence-parallel": (  # BabyGPT's plan ignores sequence parallel: the plain split, on the same curve
+        "common/gpt.py",
+        "tokens, gathered = Shard(1), Replicate()",
+        "tokens, gathered, sequence_parallel = Shard(1), Replicate(), False",
+        ["tests/integration/test_gpt_tp.py", "-k", "vocabulary_slice or never_gathered"],
+    ),
+    "gpt-tokens": (  # a language model's tokens/s left as its sequences/s
+        "common/throughput.py",
+        "tokens_per_s = samples_per_s * self.seq_len",
+        "tokens_per_s = samples_per_s",
+        ["tests/integration/test_gpt_runs.py", "-k", "tokens_per_second"],
+    ),
+    "gpt-data-file-preflight": (  # the runners' preflight leaves a --data-file to the workers
+        "runner/preflight.py",
+        "            read_bytes(cfg.data_file)\n",
+        "",
+        ["tests/integration/test_gpt_runs.py", "-k", "bad_input and (missing or empty or binary)"],
+    ),
+    "gpt-memory-seq-len": (  # the memory wall plans BabyGPT at 64 tokens whatever --seq-len says
+        "runner/memory.py",
+        "return gpt_layers(cfg.model_size, cfg.dataset, cfg.seq_len)",
+        "return gpt_layers(cfg.model_size, cfg.dataset)",
+        ["tests/integration/test_gpt_runs.py", "-k", "memory_wall"],
     ),
 }
 
@@ -284,6 +352,7 @@ CI_SUBSET = (
     *("memory-wall", "memory-wall-preflight", "rank-slices", "timeout-line"),  # (unit tests, one quick launch)
     *("loss-mean", "cpu-offload", "sequence-parallel", "micro-batch-scale"),  # DDP, FSDP, TP, the pipeline
     *("resume", "fp16-skip-agreement", "clip-fsdp"),
+    "gpt-logits-gathered",  # BabyGPT: the vocabulary-split loss
 )
 
 OUTCOMES = "MUTATION_OUTCOMES"  # where the plugin appends each test's outcome, one JSON line each
