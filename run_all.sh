@@ -24,16 +24,10 @@ strategies=(ddp fsdp pippy tp)
 # A torch older than tensor parallelism needs (docs/versions.md) still runs and compares the other three.
 # A pipeline has at most as many stages as the model has blocks to cut (BabyGPT baby: 2): where NPROC ranks would
 # be more stages, the pipeline runs as replicas of a shorter one (--dp, the fewest that fit), unless you pass --dp.
-read -r ref_device has_tp pipeline_dp < <("$PYTHON" -c 'import sys, torch; from common.versions import NEEDS_TP, older_than
-from common.cli import parse_config; from runner.layout import pipeline_replicas
+read -r ref_device has_tp < <("$PYTHON" -c 'import sys, torch; from common.versions import NEEDS_TP, older_than
 gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-nproc, flags, dp = int(sys.argv[1]), sys.argv[2:], 1
-if not any(f == "--dp" or f.startswith("--dp=") for f in flags):
-    try:
-        dp = pipeline_replicas(parse_config("pippy", flags), nproc)
-    except Exception:  # a flag run_pippy.sh refuses: it says so in one line
-        pass
-print("auto" if gpus >= nproc else "cpu", int(not older_than(NEEDS_TP)), dp)' "$NPROC" "$@")
+print("auto" if gpus >= int(sys.argv[1]) else "cpu", int(not older_than(NEEDS_TP)))' "$NPROC")
+pipeline_dp=$("$PYTHON" -m runner.layout "$NPROC" "$@")  # (no torch: the flags' layout alone)
 if (( ! has_tp )); then
   strategies=(ddp fsdp pippy)
   echo "== tp left out: this torch is older than tensor parallelism needs (docs/versions.md)"

@@ -40,3 +40,17 @@ def pipeline_replicas(cfg: Config, nproc: int) -> int:
     blocks to cut (BabyGPT baby's 2): run_all.sh's pipeline when its flags give no --dp."""
     stages = max_stages(cfg.model_size, cfg.model) // cfg.stages_per_rank
     return next((dp for dp in range(1, nproc + 1) if nproc % dp == 0 and nproc // dp <= stages), 1)
+
+
+if __name__ == "__main__":  # run_all.sh: `python -m runner.layout NPROC FLAGS...` prints the pipeline's --dp
+    import sys
+
+    from common.cli import parse_config
+
+    dp = 1  # with a --dp of yours, or flags run_pippy.sh refuses (it says so in one line)
+    if not any(flag == "--dp" or flag.startswith("--dp=") for flag in sys.argv[2:]):
+        try:
+            dp = pipeline_replicas(parse_config("pippy", sys.argv[2:]), int(sys.argv[1]))
+        except (ConfigError, SystemExit, ValueError):
+            pass
+    print(dp)

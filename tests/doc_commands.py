@@ -487,10 +487,12 @@ def check_torchrun(words: tuple[str, ...], env: tuple[tuple[str, str], ...]) -> 
 
 
 _STUB = """#!/bin/sh
-# what the runner asks PYTHON to run, recorded; run_all.sh's question about torch answered "cpu, has TP"
+# what the runner asks PYTHON to run, recorded; run_all.sh's question about torch answered "cpu, has TP", its
+# question about the pipeline's replicas (no torch) asked of the real Python
 for a in "$@"; do printf '%s\\0' "$a" >> "$DOC_CHECK_LOG"; done
 printf '%s\\0' --doc-check-end-- >> "$DOC_CHECK_LOG"
 if [ "$1" = "-c" ]; then echo "cpu 1"; fi
+if [ "$1" = "-m" ] && [ "$2" = "runner.layout" ]; then exec "$DOC_CHECK_PYTHON" "$@"; fi
 """
 
 
@@ -513,6 +515,7 @@ def check_runner(words: tuple[str, ...], env: tuple[tuple[str, str], ...]) -> tu
         return "failed", f"no {script} in this repository"
     with tempfile.NamedTemporaryFile(prefix="doc-check-", suffix=".log") as log:
         run_env = {**os.environ, **dict(env), "PYTHON": _stub(), "DOC_CHECK_LOG": log.name}
+        run_env["DOC_CHECK_PYTHON"] = sys.executable
         done = subprocess.run(
             ["bash", script, *words[1:]], cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=60
         )
@@ -527,7 +530,7 @@ def check_runner(words: tuple[str, ...], env: tuple[tuple[str, str], ...]) -> tu
         elif word or current:
             current.append(word)
     for call in calls:
-        if call[:2] == ["-m", "runner.supervise"] or call[:1] == ["-c"]:
+        if call[:2] in (["-m", "runner.supervise"], ["-m", "runner.layout"]) or call[:1] == ["-c"]:
             continue  # the wrapper around torchrun (its flags came from the preflight's), and run_all.sh's question
         status, message = check_python(tuple(call), env)
         if status == "failed":
