@@ -14,11 +14,11 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-import torch
-
 from common.errors import ConfigError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (torch loads in the functions that need it: the runners' preflight reads a file without it)
+    import torch
+
     from common.config import Config
 
 COPY_VOCAB = 128  # the built-in copy task draws its tokens from 0..127
@@ -44,6 +44,8 @@ def make_copy(n: int, seq_len: int, *, seed: int, test: bool = False) -> tuple[t
     """`n` copy sequences (int64 [n, seq_len]): h = seq_len / 2 random tokens a_1 .. a_h, then a_1 .. a_h again; the
     targets are the copy's tokens (at position h - 1 + i, a_(i+1)), -100 over the random half. The same for a seed
     on every rank; the test split from its own stream."""
+    import torch
+
     generator = torch.Generator().manual_seed(seed * 2 + int(test) + 7_919)
     half = seq_len // 2
     first = torch.randint(0, COPY_VOCAB, (n, half), generator=generator)
@@ -56,6 +58,8 @@ def make_copy(n: int, seq_len: int, *, seed: int, test: bool = False) -> tuple[t
 def read_text(path: str, seq_len: int, *, test: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The file at `path` as byte sequences of `seq_len` (int64 [N, seq_len]) and their next bytes: windows of
     seq_len + 1 bytes side by side, from the first 90 % of the file (or, `test`, the rest)."""
+    import torch
+
     data = read_bytes(path)
     cut = int(len(data) * (1 - TEST_SHARE))
     part = torch.frombuffer(bytearray(data[cut:] if test else data[:cut]), dtype=torch.uint8).long()

@@ -118,7 +118,8 @@ def gpt_layers(size: str, dataset: str = "copy", seq_len: int = 64) -> list[Laye
     kv = shape.width // shape.heads * shape.kv_heads
     matmuls = 2 * shape.width * shape.width + 2 * shape.width * kv + 3 * shape.width * shape.mlp
     block_flops = 2 * t * matmuls + 4 * t * t * shape.width
-    kept = t * (6 * shape.width + 2 * kv + 3 * shape.mlp) + shape.heads * t * t  # norms, q k v, scores, SwiGLU
+    # norms, q k v, the attention's output and log-sum-exp (SDPA's fused kernels keep no [T, T] scores), SwiGLU
+    kept = t * (6 * shape.width + 2 * kv + 3 * shape.mlp) + shape.heads * t
     embed = Layer("embed", vocab * shape.width, 0, t * shape.width)
     blocks = [Layer(f"block{i}", block_params, block_flops, kept) for i in range(shape.depth)]
     out_params = shape.width + (0 if shape.tied else vocab * shape.width)  # a tied output layer is the embedding
@@ -190,6 +191,7 @@ def check_gpt_tp(cfg: Config, tp: int) -> None:
             raise ConfigError(
                 f"{flag}: {tp} TP ranks do not split {what} ({n}: each rank holds an equal share, nothing is padded); "
                 f"use a TP degree of {', '.join(map(str, fits))}"
+                + ("" if cfg.strategy == "pippy" else f" (NPROC= for run_tp.sh: --dp {cfg.dp} x the TP degree)")
             )
     if cfg.sequence_parallel and cfg.seq_len % tp:
         raise ConfigError(

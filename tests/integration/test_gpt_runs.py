@@ -136,7 +136,7 @@ def test_the_memory_wall_holds_babygpt_to_what_fits(monkeypatch):
     medium = Config(model="gpt", model_size="medium")
     with pytest.raises(ConfigError) as refused:
         check_memory(medium, nproc=4, world_size=4, on_cpu=True)
-    assert str(refused.value).startswith("--model-size medium: DDP on 4 ranks needs 4 processes x ~6.0 GB")
+    assert str(refused.value).startswith("--model-size medium: DDP on 4 ranks needs 4 processes x ~5.8 GB")
     assert str(refused.value).endswith("bash run_fsdp.sh --model gpt --model-size medium --shard-units blocks")
     blocks = Config(model="gpt", model_size="medium", strategy="fsdp", shard_units="blocks")
     check_memory(blocks, nproc=4, world_size=4, on_cpu=True)
