@@ -75,7 +75,7 @@ class Config:
     """Data set. Images: digits (built in, offline, deterministic; the default), mnist, fashion-mnist or cifar10
     (torchvision). --model gpt: copy (built in: random tokens, then copied; the default) or text (--data-file)."""
     data_file: str = ""
-    """gpt: train on this text file, as bytes (a vocabulary of 256), its last 10 % the test split."""
+    """gpt: train on this text file, as bytes (a vocabulary of 256), its last tenth the test split."""
     data_dir: str = "data"
     """Where torchvision data sets are read from (and downloaded to, when online)."""
     train_size: int = 12800
