@@ -5,9 +5,10 @@
     python -m planner --model-size medium --all --json plan.json --out plan.png
     python -m planner --model vit --model-size b16 --world-sizes 8,64 --profile h100-sxm   # + time per step
 
-Every figure comes from running the scripts' own wrap and one training step of it, in this one process, on a
-fake process group of the world size and fake tensors (planner/measure.py): per rank the parameters, gradients
-and optimizer state (what run.json reports), and the peak of the step. Beside them: the textbook's 16 bytes per
+Every figure comes from running the scripts' own wrap and one training step of it, in one process (--jobs of
+them at once, the cores by default: planner/jobs.py), on a fake process group of the world size and fake tensors
+(planner/measure.py): per rank the parameters, gradients and optimizer state (what run.json reports), and the peak
+of the step. Beside them: the textbook's 16 bytes per
 parameter (AdamW, fp32), divided by the ranks sharing each parameter. With --profile, the same step counted (its
 operators' FLOPs and bytes, its collectives) and timed on that machine (planner/timing.py). How to read the memory:
 docs/memory.md; the time: docs/time.md.
@@ -26,7 +27,8 @@ from common.config import CHOICES, MODEL_SIZES, MODELS, OPTIMIZERS, Config
 from common.errors import ConfigError
 from common.versions import NEEDS_PLANNER
 from common.vit_sizes import VIT_SIZES
-from planner.plan import ALL_VARIANTS, DEFAULT_VARIANTS, VIT_VARIANTS, Plan, plan, why_not
+from planner.jobs import default_workers
+from planner.plan import ALL_VARIANTS, DEFAULT_VARIANTS, VIT_VARIANTS, Plan, plan_all, variant_config, why_not
 from planner.report import draw, fitting, table, time_table
 from runner.entry import fail, require_torch
 
@@ -58,6 +60,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile", help="also time each step on: h100-sxm, a100-sxm, rtx3090, or a profile file")
     parser.add_argument("--json", help="also write every plan here")
     parser.add_argument("--out", help="also draw the plans into this PNG")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=default_workers(),
+        help="ranks planned at once, each in a process (default: the cores, up to 8)",
+    )
     args = parser.parse_args(argv)
     require_torch(NEEDS_PLANNER, "python -m planner")
     if args.model_size not in (sizes := VIT_SIZES if args.model == "vit" else MODEL_SIZES):
@@ -67,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         assert all(n >= 1 for n in world_sizes)
     except (ValueError, AssertionError):
         fail(f"--world-sizes: expected numbers of ranks like 1,4,64,1024, got {args.world_sizes!r}")
+    if args.jobs < 1:
+        fail(f"--jobs: expected a number of processes, 1 or more, got {args.jobs}")
     memory = parse_bytes(args.device_memory) if args.device_memory else None
     profile = None
     if args.profile:
@@ -77,28 +87,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as e:
             fail(str(e))
     started = time.perf_counter()
-    plans: list[Plan] = []
     variants = VIT_VARIANTS if args.model == "vit" else ALL_VARIANTS if args.all else DEFAULT_VARIANTS
     if args.variants:
         if unknown := [v for v in args.variants.split(";") if v.strip() not in variants]:
             name, known = unknown[0].strip(), "; ".join(variants)
             fail(f"--variants: no variant {name!r} for --model {args.model}; choose from {known} (';' between them)")
         variants = tuple(v.strip() for v in args.variants.split(";"))
-    for variant in variants:
-        for n in world_sizes:
-            batch = args.per_rank_batch * n
-            base = Config(
+    wanted = [
+        (
+            variant,
+            Config(
                 model=args.model,
                 model_size=args.model_size,
                 optimizer=args.optimizer,
-                batch_size=batch,
+                batch_size=args.per_rank_batch * n,
                 precision=args.precision,
-            )
-            print(f"planning {variant} on {n} ranks", file=sys.stderr, flush=True)
-            if result := plan(variant, base, n, profile=profile):
-                plans.append(result)
-            elif args.variants:  # asked for by name: say why it cannot run there
+            ),
+            n,
+        )
+        for variant in variants
+        for n in world_sizes
+    ]
+    if args.variants:  # asked for by name: say why one cannot run there, before planning any
+        for variant, base, n in wanted:
+            if variant_config(variant, base, n) is None:
                 fail(f"--world-sizes: {variant} cannot run on {n} ranks: {why_not(variant, base, n)}")
+
+    def planning(variant: str, n: int) -> None:
+        print(f"planning {variant} on {n} ranks", file=sys.stderr, flush=True)
+
+    plans: list[Plan] = [p for p in plan_all(wanted, profile=profile, workers=args.jobs, started=planning) if p]
     print(table(plans, args.model, args.model_size, memory=memory))
     if profile:
         print(time_table(plans, f"{profile.name}, {args.precision}"))

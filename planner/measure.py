@@ -37,6 +37,7 @@ from common.model_sizes import input_shape
 from common.recorder import measure_memory
 from common.training import autocast, build_optimizer
 from planner.count import StepCount, StepCounter
+from planner.shortcuts import shortcuts
 
 
 @dataclass
@@ -123,7 +124,8 @@ def plan_rank(cfg: Config, world_size: int, rank: int, *, count: bool = False) -
     step = {"ddp": _ddp_step, "fsdp": _fsdp_step, "pippy": _pipeline_step, "tp": _tp_step}[cfg.strategy]
     counter = (lambda model: StepCounter(model)) if count else (lambda model: _NotCounted())
     try:
-        return step(cfg, env, FakeTensorMode, counter)
+        with shortcuts():
+            return step(cfg, env, FakeTensorMode, counter)
     finally:
         dist.destroy_process_group()
         # DTensor caches each operator's output layout, mesh included: the next world's equal mesh would find this
@@ -312,11 +314,26 @@ def _label_actions(stages: list[Any], counted: Any) -> None:
             setattr(stage, attr, labelled(stage, getattr(stage, attr), kind))
 
 
+# (model, its input, stage starts, micro-batch) -> each stage's output shape: the same on every rank of every plan
+_STAGE_SHAPES: dict[str, list[tuple[int, ...]]] = {}
+
+
+def _stage_shapes(cfg: Config, starts: Any, pieces: list[Any], images: torch.Tensor, micro_batch: int) -> list:
+    """common.pipeline.stage_output_shapes(pieces, images, micro_batch): a forward of one sample through the whole
+    model on fake tensors, worked out once a process for each model, cut and micro-batch."""
+    from common.pipeline import stage_output_shapes
+
+    key = repr((cfg.model_kwargs(), cfg.dataset, tuple(starts), tuple(images.shape), images.dtype, micro_batch))
+    if key not in _STAGE_SHAPES:
+        _STAGE_SHAPES[key] = stage_output_shapes(pieces, images, batch_size=micro_batch)
+    return list(_STAGE_SHAPES[key])
+
+
 def _pipeline_step(cfg: Config, env: DistEnv, fake_mode: Any, counter: Any) -> RankMemory:
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
 
-    from common.pipeline import split_model, stage_output_shapes
+    from common.pipeline import split_model
     from common.pipeline_layout import PipelineLayout
     from train_pippy import apply_pipeline, make_schedule
 
@@ -328,7 +345,7 @@ def _pipeline_step(cfg: Config, env: DistEnv, fake_mode: Any, counter: Any) -> R
         model = _model(cfg)
         pieces = split_model(model, layout.stage_starts)
         images, _ = _batch(cfg, micro_batch)
-        outputs = stage_output_shapes(pieces, images, batch_size=micro_batch)
+        outputs = _stage_shapes(cfg, layout.stage_starts, pieces, images, micro_batch)
         io_shapes = {i: ((tuple(images.shape), *outputs[:-1])[i], outputs[i]) for i in mine}
         sent = [outputs[i] for i in mine if i < layout.n_stages - 1]
         in_flight = max((4 * torch.Size(shape).numel() for shape in sent), default=0)  # fp32 activations

@@ -4,12 +4,13 @@ the ranks worth measuring, and the textbook's bytes per rank with what the measu
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Callable
 
 from common.config import Config
 from common.errors import ConfigError
 from common.model_sizes import blocks, layers, max_stages, parameter_count, tp_degree, tp_fsdp_units, tp_layer_params
 from planner.count import StepCount
+from planner.jobs import Job, measure, same_but_rank, tp_slices
 from planner.measure import RankMemory, plan_rank
 from planner.predict import state_bytes_theory, tp_state_bytes_theory
 from planner.timing import Profile, StepTime, predict
@@ -175,13 +176,14 @@ def counted_steps(cfg: Config, world_size: int) -> dict[int, StepCount]:
 
 def plan(variant: str, base: Config, world_size: int, *, profile: Profile | None = None) -> Plan | None:
     """`variant` on `world_size` ranks, planned (None where it cannot run); with `profile`, its step's time too."""
-    cfg = variant_config(variant, base, world_size)
-    if cfg is None:
-        return None
+    return plan_all([(variant, base, world_size)], profile=profile)[0]
+
+
+def _empty_plan(variant: str, cfg: Config, world_size: int) -> Plan:
     variant_flags = ("model", "strategy", "sharding", "shard_units", "activation_checkpointing", "schedule", "dp")
     variant_flags += ("tp", "sequence_parallel")
     flags = {k: v for k, v in cfg.flags().items() if k in variant_flags}
-    result = Plan(
+    return Plan(
         variant,
         world_size,
         cfg.model_size,
@@ -191,9 +193,74 @@ def plan(variant: str, base: Config, world_size: int, *, profile: Profile | None
         unit_bytes=unit_bytes(cfg, world_size),
         model=cfg.model,
     )
-    ranks = ranks_to_measure(cfg, world_size)
-    result.ranks = [plan_rank(cfg, world_size, rank, count=profile is not None) for rank in ranks]
-    if profile is not None:
-        counts = {rank: r.count for rank, r in zip(ranks, result.ranks) if r.count}
-        result.time = predict(cfg, world_size, counts, profile)
-    return result
+
+
+def plan_all(
+    wanted: list[tuple[str, Config, int]],
+    *,
+    profile: Profile | None = None,
+    workers: int = 1,
+    started: Callable[[str, int], None] | None = None,
+) -> list[Plan | None]:
+    """plan(variant, base, world_size) for each of `wanted`, in its order, their ranks measured by `measure_ranks`
+    (in `workers` processes); `started(variant, world_size)` as the first rank of a plan starts."""
+    configs = [variant_config(variant, base, n) for variant, base, n in wanted]
+    feasible = [(cfg, n) for cfg, (_, _, n) in zip(configs, wanted) if cfg is not None]
+    told = [(variant, n) for cfg, (variant, _, n) in zip(configs, wanted) if cfg is not None]
+
+    def starts(i: int) -> None:
+        if started:
+            started(*told[i])
+
+    ranks = iter(measure_ranks(feasible, count=profile is not None, workers=workers, started=starts))
+    plans: list[Plan | None] = []
+    for (variant, _, n), cfg in zip(wanted, configs):
+        if cfg is None:
+            plans.append(None)
+            continue
+        result = _empty_plan(variant, cfg, n)
+        result.ranks = next(ranks)
+        if profile is not None:
+            counts = {r.rank: r.count for r in result.ranks if r.count}
+            result.time = predict(cfg, n, counts, profile)
+        plans.append(result)
+    return plans
+
+
+def measure_ranks(
+    wanted: list[tuple[Config, int]],
+    *,
+    count: bool = False,
+    workers: int = 1,
+    started: Callable[[int], None] | None = None,
+) -> list[list[RankMemory]]:
+    """For each (cfg, world_size) of `wanted`: its ranks_to_measure, planned (planner/measure.py's plan_rank, its
+    step counted with `count`), each step once (planner/jobs.py: DDP's rank once for every world of more than one,
+    a pipeline stage's TP ranks between the first and the last from those two), in `workers` processes; `started(i)`
+    as the first rank of wanted[i] starts."""
+    asked: list[dict[int, Job]] = []  # {rank: the job that measures it}, for each of wanted
+    for cfg, n in wanted:
+        between = tp_slices(cfg, n, ranks_to_measure(cfg, n), count)
+        asked.append({rank: Job(cfg, n, rank, count) for rank in ranks_to_measure(cfg, n) if rank not in between})
+    told: set[int] = set()
+
+    def starts(job: Job) -> None:  # (a step several plans share starts them all)
+        for i, jobs in enumerate(asked):
+            if i not in told and any(j.key == job.key for j in jobs.values()):
+                told.add(i)
+                if started:
+                    started(i)
+
+    found = measure([job for jobs in asked for job in jobs.values()], workers=workers, started=starts)
+    more: dict[tuple[int, int], Job] = {}  # the ranks between a stage's first and last TP rank, where those differ
+    for i, (cfg, n) in enumerate(wanted):
+        for rank, (first, last) in tp_slices(cfg, n, ranks_to_measure(cfg, n), count).items():
+            if not same_but_rank(found[asked[i][first].key], found[asked[i][last].key]):
+                more[i, rank] = Job(cfg, n, rank, count)
+    found |= measure(list(more.values()), workers=workers)
+    measured = []
+    for i, (cfg, n) in enumerate(wanted):
+        between = tp_slices(cfg, n, ranks_to_measure(cfg, n), count)
+        jobs = {**asked[i], **{rank: more.get((i, rank)) or asked[i][first] for rank, (first, _) in between.items()}}
+        measured.append([replace(found[jobs[rank].key], rank=rank) for rank in ranks_to_measure(cfg, n)])
+    return measured

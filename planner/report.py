@@ -8,8 +8,8 @@ from typing import NamedTuple
 
 from common.config import Config
 from common.model_sizes import parameter_count
-from planner.measure import RankMemory, plan_rank
-from planner.plan import Plan, ranks_to_measure, variant_config
+from planner.measure import RankMemory
+from planner.plan import Plan, measure_ranks, variant_config
 from runner.layout import would_start
 
 
@@ -172,7 +172,7 @@ def largest_batch(p: Plan, memory: int, *, start: int) -> Largest | None:
 
 
 def _planned(cfg: Config, world_size: int) -> list[RankMemory]:
-    return [plan_rank(cfg, world_size, rank) for rank in ranks_to_measure(cfg, world_size)]
+    return measure_ranks([(cfg, world_size)])[0]
 
 
 def draw(plans: list[Plan], out: str, *, memory: int | None) -> None:
