@@ -4,6 +4,8 @@
     python -m planner --model-size 7b --world-sizes 4,64 --device-memory 80GiB
     python -m planner --model-size medium --all --json plan.json --out plan.png
     python -m planner --model vit --model-size b16 --world-sizes 8,64 --profile h100-sxm   # + time per step
+    python -m planner --model gpt --model-size llama3-8b --world-sizes 8,64 --profile h100-sxm --precision bf16
+    python -m planner --model gpt --published --profile h100-sxm   # beside published Llama 3 trainings
 
 Every figure comes from running the scripts' own wrap and one training step of it, in one process (--jobs of
 them at once, the cores by default: planner/jobs.py), on a fake process group of the world size and fake tensors
@@ -25,11 +27,21 @@ from typing import Sequence
 
 from common.config import CHOICES, MODEL_SIZES, MODELS, OPTIMIZERS, Config
 from common.errors import ConfigError
+from common.gpt_sizes import GPT_SIZES
 from common.versions import NEEDS_PLANNER
 from common.vit_sizes import VIT_SIZES
 from planner.jobs import default_workers
-from planner.plan import ALL_VARIANTS, DEFAULT_VARIANTS, VIT_VARIANTS, Plan, plan_all, variant_config, why_not
-from planner.report import draw, fitting, table, time_table
+from planner.plan import (
+    ALL_VARIANTS,
+    DEFAULT_VARIANTS,
+    GPT_VARIANTS,
+    VIT_VARIANTS,
+    Plan,
+    plan_all,
+    variant_config,
+    why_not,
+)
+from planner.report import PUBLISHED, draw, fitting, plan_published, published_table, table, time_table
 from runner.entry import fail, require_torch
 
 UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
@@ -47,11 +59,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m planner", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="cnn", choices=MODELS, help="cnn (BabyCNN) or vit (BabyViT): --model")
     parser.add_argument(
-        "--model-size", default="large", help="the model's size (--model-size); the published ViTs at 224 x 224"
+        "--model-size",
+        help="the model's size (--model-size; default large, gpt's medium); the published ViTs at 224 x 224, "
+        "gpt's published shapes (gpt2-124m, llama3-8b, llama3-70b, llama3-405b) at their context",
     )
     parser.add_argument("--world-sizes", default="1,4,64,1024", help="comma-separated numbers of ranks")
     parser.add_argument("--all", action="store_true", help="every FSDP mode and the GPipe schedule too")
-    parser.add_argument("--per-rank-batch", type=int, default=32, help="samples per rank per step (the suite's: 32)")
+    parser.add_argument(
+        "--per-rank-batch",
+        type=int,
+        help="samples (gpt: sequences) per rank per step: the global batch over the ranks (default 32, the suite's; "
+        "gpt's published shapes 1 sequence of --seq-len)",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=0,
+        help="gpt: tokens per sequence (default: 64 for baby, small, medium; a published shape's context: 1,024 for "
+        "gpt2-124m, 8,192 for Llama 3)",
+    )
+    parser.add_argument(
+        "--published",
+        nargs="?",
+        const="all",
+        help="gpt: plan published trainings of Llama 3 as they ran (their shape, mesh, batch, sequence) and set the "
+        "plans beside what they measured, with the planner's error (needs --profile): all of them, or those named "
+        f"({', '.join(p.name for p in PUBLISHED)}, ','-separated)",
+    )
     parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     parser.add_argument("--device-memory", help="memory of one device (80GiB): which plans fit, the largest batch")
     precisions = CHOICES["precision"][1]
@@ -68,8 +102,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     require_torch(NEEDS_PLANNER, "python -m planner")
-    if args.model_size not in (sizes := VIT_SIZES if args.model == "vit" else MODEL_SIZES):
+    sizes = {"vit": VIT_SIZES, "gpt": GPT_SIZES}.get(args.model, MODEL_SIZES)
+    args.model_size = args.model_size or ("medium" if args.model == "gpt" else "large")
+    if args.model_size not in sizes:
         fail(f"--model-size: unknown {args.model} size {args.model_size!r}; choose one of {', '.join(sizes)}")
+    if args.model != "gpt" and (args.seq_len or args.published):
+        fail(f"{'--seq-len' if args.seq_len else '--published'}: a flag of --model gpt, not of {args.model}")
+    if args.published and not args.profile:
+        fail("--published: the published trainings are compared by their time; give --profile h100-sxm")
+    published = args.model == "gpt" and GPT_SIZES[args.model_size].vocab  # a published shape: its own vocabulary
+    seq_len = args.seq_len or (GPT_SIZES[args.model_size].context if published else 0)
+    per_rank_batch = args.per_rank_batch or (1 if published else 32)
+    if per_rank_batch < 1 or seq_len < 0:
+        fail(f"--per-rank-batch, --seq-len: expected positive numbers, got {per_rank_batch} and {seq_len}")
+    if args.model == "gpt":
+        try:  # --seq-len within the shape's context
+            Config(model="gpt", model_size=args.model_size, seq_len=seq_len).check_model()
+        except ConfigError as e:
+            fail(str(e))
     try:
         world_sizes = [int(n) for n in args.world_sizes.split(",")]
         assert all(n >= 1 for n in world_sizes)
@@ -87,7 +137,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as e:
             fail(str(e))
     started = time.perf_counter()
-    variants = VIT_VARIANTS if args.model == "vit" else ALL_VARIANTS if args.all else DEFAULT_VARIANTS
+    if args.published:  # the published trainings, each planned as it ran
+        known = {p.name: p for p in PUBLISHED}
+        names = list(known) if args.published == "all" else [n.strip() for n in args.published.split(",")]
+        if unknown := [n for n in names if n not in known]:
+            fail(f"--published: no published training {unknown[0]!r}; choose from {', '.join(known)}")
+        items = [known[n] for n in names]
+        found = plan_published(items, profile, workers=args.jobs)
+        print(published_table(items, found, profile.name))
+        print(f"({sum(map(len, found))} plans in {time.perf_counter() - started:.0f} s)")
+        return 0
+    variants = {"vit": VIT_VARIANTS, "gpt": GPT_VARIANTS}.get(args.model)
+    variants = variants or (ALL_VARIANTS if args.all else DEFAULT_VARIANTS)
     if args.variants:
         if unknown := [v for v in args.variants.split(";") if v.strip() not in variants]:
             name, known = unknown[0].strip(), "; ".join(variants)
@@ -100,8 +161,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 model=args.model,
                 model_size=args.model_size,
                 optimizer=args.optimizer,
-                batch_size=args.per_rank_batch * n,
+                batch_size=per_rank_batch * n,
                 precision=args.precision,
+                seq_len=seq_len,
             ),
             n,
         )
@@ -121,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if profile:
         print(time_table(plans, f"{profile.name}, {args.precision}"))
     if memory:
-        print(fitting(plans, memory, per_rank_batch=args.per_rank_batch))
+        print(fitting(plans, memory, per_rank_batch=per_rank_batch))
     print(f"({len(plans)} plans in {time.perf_counter() - started:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:

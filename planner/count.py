@@ -35,15 +35,17 @@ DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 aten = torch.ops.aten
 
 
-def _cpu_sdpa(query, key, value, *args, out_val=None, **kwargs) -> int:
-    return sdpa_flop_count(query.shape, key.shape, value.shape)
+def _cpu_sdpa(query, key, value, dropout_p=0.0, is_causal=False, *, out_val=None, **kwargs) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape) // (2 if is_causal else 1)
 
 
-def _cpu_sdpa_backward(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
-    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+def _cpu_sdpa_backward(grad_out, query, key, value, out, lse, dropout_p, is_causal, *, out_val=None, **kw) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape) // (2 if is_causal else 1)
 
 
-# The CPU's attention kernels, which flop_counter's registry (CUDA's kernels) does not name
+# The CPU's attention kernels, which flop_counter's registry (CUDA's kernels) does not name. A causal call (BabyGPT's)
+# is counted as half the square: the kernels skip the blocks of scores above the diagonal (the CPU's flash kernel
+# and CUDA's alike), so what they compute is about half of what flop_counter's formula, which ignores the mask, says
 FLOP_FORMULAS = {
     **flop_registry,
     aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa,

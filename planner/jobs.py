@@ -36,6 +36,7 @@ class Job:
     world_size: int
     rank: int
     count: bool
+    depth: int = 0  # a deep BabyGPT planned at fewer blocks (planner/plan.py: shallow_depths); 0: its own
 
     @cached_property
     def key(self) -> str:
@@ -43,12 +44,18 @@ class Job:
         cfg = self.cfg
         if cfg.strategy == "ddp" and not self.count and self.world_size > 1:
             chunk = cfg.chunk_size(self.world_size)  # (what the rank's step reads of the batch and the world)
-            return repr(("ddp on a world of more than one", replace(cfg, batch_size=chunk, train_size=chunk)))
-        return repr((cfg, self.world_size, self.rank, self.count))
+            alike = replace(cfg, batch_size=chunk, train_size=chunk)
+            return repr(("ddp on a world of more than one", alike, self.depth))
+        return repr((cfg, self.world_size, self.rank, self.count, self.depth))
 
 
 def _measure(job: Job) -> RankMemory:
-    return plan_rank(job.cfg, job.world_size, job.rank, count=job.count)
+    if not job.depth:
+        return plan_rank(job.cfg, job.world_size, job.rank, count=job.count)
+    from planner.plan import model_depth
+
+    with model_depth(job.cfg.model_size, job.depth):
+        return plan_rank(job.cfg, job.world_size, job.rank, count=job.count)
 
 
 def _measure_in_worker(job: Job) -> RankMemory:

@@ -27,15 +27,14 @@ from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from common.config import Config
 from common.distributed import DistEnv
 from common.memory_peak import PeakBytes, state_tensors
 from common.model import build_model
-from common.model_sizes import input_shape
+from common.model_sizes import gpt_vocab, input_shape
 from common.recorder import measure_memory
-from common.training import autocast, build_optimizer
+from common.training import autocast, build_optimizer, loss_fn
 from planner.count import StepCount, StepCounter
 from planner.shortcuts import shortcuts
 
@@ -74,6 +73,11 @@ def _batch(cfg: Config, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     normalised on the device), so that it counts where theirs does, inside the step."""
     from common.data import NORMALISATION, DataSet, Split, to_device_batch
 
+    if cfg.model == "gpt":  # a language's int64 tokens and next tokens [n, seq_len] (any valid targets)
+        tokens = torch.zeros(n, cfg.seq_len, dtype=torch.int64)
+        split = Split(tokens, tokens.clone())
+        data = DataSet(cfg.dataset, split, split, gpt_vocab(cfg.model_size, cfg.dataset), (), ())
+        return to_device_batch(split, torch.arange(n), data, torch.device("cpu"))
     channels, side, classes = input_shape(cfg.model, cfg.model_size, cfg.dataset)
     split = Split(torch.zeros(n, channels, side, side, dtype=torch.uint8), torch.zeros(n, dtype=torch.int64))
     data = DataSet(cfg.dataset, split, split, classes, *NORMALISATION[cfg.dataset])
@@ -90,8 +94,10 @@ def _warm(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer | N
 
 
 def _model(cfg: Config):
-    channels, side, classes = input_shape(cfg.model, cfg.model_size, cfg.dataset)
     kwargs = {**cfg.model_kwargs(), "dropout": 0.0}
+    if cfg.model == "gpt":
+        return build_model(**kwargs, vocab_size=gpt_vocab(cfg.model_size, cfg.dataset), seq_len=cfg.seq_len)
+    channels, side, classes = input_shape(cfg.model, cfg.model_size, cfg.dataset)
     return build_model(**kwargs, in_channels=channels, image_size=side, num_classes=classes)
 
 
@@ -199,7 +205,7 @@ def _ddp_step(cfg: Config, env: DistEnv, fake_mode: Any, counter: Any) -> RankMe
         with tracker, counter(plain) as counted:
             images, labels = _batch(cfg, cfg.chunk_size(env.world_size))
             with autocast(cfg, env.device):  # --precision bf16, fp16: the forward in it, as train_ddp.py runs it
-                loss = F.cross_entropy(model(images), labels)
+                loss = loss_fn(model(images), labels)
             loss.backward()
             with counted.phase("optimizer"):
                 optimizer.step()
@@ -232,7 +238,7 @@ def _fsdp_step(cfg: Config, env: DistEnv, fake_mode: Any, counter: Any) -> RankM
         with tracker, counter(model) as counted:
             optimizer.zero_grad(set_to_none=True)
             images, labels = _batch(cfg, cfg.chunk_size(env.world_size))
-            F.cross_entropy(model(images), labels).backward()
+            loss_fn(model(images), labels).backward()
             with counted.phase("optimizer"):
                 optimizer.step()
         _once_a_step(counted, list(model.parameters()), cfg)
@@ -259,6 +265,7 @@ def _mesh_bookkeeping_for_real() -> Any:
 
 def _tp_step(cfg: Config, env: DistEnv, fake_mode: Any, counter: Any) -> RankMemory:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
 
     from train_tp import apply_tp
 
@@ -271,13 +278,15 @@ def _tp_step(cfg: Config, env: DistEnv, fake_mode: Any, counter: Any) -> RankMem
             model, mesh["tp"], model.tp_plan(cfg.sequence_parallel), dp_mesh=dp_mesh, dp_units=model.blocks()
         )
         optimizer = build_optimizer(model.parameters(), cfg)
+        split_loss = loss_parallel if cfg.model == "gpt" else nullcontext  # BabyGPT's logits split by vocabulary
 
         def step(counted: Any) -> None:
             optimizer.zero_grad(set_to_none=True)
             images, labels = _batch(cfg, cfg.chunk_size(env.world_size))  # the replica's batch, on each TP rank
-            with autocast(cfg, env.device):  # as train_tp.py runs its forward
-                loss = F.cross_entropy(model(images), labels)
-            loss.backward()
+            with split_loss(), autocast(cfg, env.device):  # as train_tp.py runs its forward
+                loss = loss_fn(model(images), labels)
+            with split_loss():
+                loss.backward()
             with counted.phase("backward"):  # as train_tp.py: sequence parallel's norms' partial gradients summed
                 for p in (p for p in model.parameters() if p.grad is not None and p.grad.placements != p.placements):
                     p.grad = p.grad.redistribute(placements=p.placements)
@@ -358,10 +367,10 @@ def _pipeline_step(cfg: Config, env: DistEnv, fake_mode: Any, counter: Any) -> R
             env.device,
             dp_mesh=dp_mesh,
             tp_mesh=tp_mesh,
-            tp_plan=model.tp_plan(),
+            tp_plan=model.tp_plan(loss_parallel=False) if cfg.model == "gpt" else model.tp_plan(),  # (train_pippy's)
             io_shapes=io_shapes,
         )
-        schedule = make_schedule(cfg.schedule, stages, cfg.n_microbatches, lambda y, t: F.cross_entropy(y, t))
+        schedule = make_schedule(cfg.schedule, stages, cfg.n_microbatches, lambda y, t: loss_fn(y.float(), t))
         local = nn.Sequential(*(layer for i in sorted(modules) for layer in modules[i].children()))
         params = list(local.parameters())
         optimizer = build_optimizer(params, cfg) if params else None

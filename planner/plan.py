@@ -9,9 +9,9 @@ from typing import Any, Callable
 from common.config import Config
 from common.errors import ConfigError
 from common.model_sizes import blocks, layers, max_stages, parameter_count, tp_degree, tp_fsdp_units, tp_layer_params
-from planner.count import StepCount
+from planner.count import Collective, StepCount
 from planner.jobs import Job, measure, same_but_rank, tp_slices
-from planner.measure import RankMemory, plan_rank
+from planner.measure import RankMemory
 from planner.predict import state_bytes_theory, tp_state_bytes_theory
 from planner.timing import Profile, StepTime, predict
 from runner.layout import would_start
@@ -30,6 +30,7 @@ VIT_VARIANTS = (
     *("ddp", "fsdp full, a unit per block", "fsdp full, a unit per block, checkpointed", "pipeline 1f1b"),
     *("fsdp x tp", "fsdp x tp, sequence parallel", "fsdp x pp x tp"),
 )
+GPT_VARIANTS = VIT_VARIANTS  # BabyGPT's: the same, its blocks the units, the stages' cuts and what TP splits
 
 
 @dataclass
@@ -46,6 +47,12 @@ class Plan:
     textbook_state_bytes: float = 0.0  # 16 bytes per parameter (AdamW, fp32), divided by the ranks sharing it
     unit_bytes: int = 0  # FSDP: the largest unit's parameters and gradients held whole while it runs
     model: str = "cnn"
+    batch_size: int = 0  # the global batch: samples (BabyGPT's: sequences) per optimizer step
+    depths: tuple[int, ...] = ()  # a deep BabyGPT's: the two depths planned, extrapolated to its own (measure_ranks)
+
+    @property
+    def per_rank_batch(self) -> int:
+        return self.batch_size // self.world_size
 
     @property
     def worst(self) -> RankMemory:
@@ -97,7 +104,8 @@ def variant_config(variant: str, base: Config, world_size: int) -> Config | None
     )  # a pipeline of up to 4 ranks, the replicas around it
     if world_size % pp:
         return None
-    return replace(base, strategy="pippy", schedule=mode, dp=world_size // pp, n_microbatches=max(4, pp))
+    cfg = replace(base, strategy="pippy", schedule=mode, dp=world_size // pp, n_microbatches=max(4, pp))
+    return cfg if would_start(cfg, world_size, planned=True) else None  # (a replica's batch its micro-batches split)
 
 
 def ranks_to_measure(cfg: Config, world_size: int) -> list[int]:
@@ -105,6 +113,11 @@ def ranks_to_measure(cfg: Config, world_size: int) -> list[int]:
     ranks get the rest); a pipeline's ranks hold its different stages (replica 0's)."""
     if cfg.strategy == "ddp":
         return [0]
+    if cfg.model == "gpt" and cfg.strategy != "pippy":  # BabyGPT's: rank 0 holds the most (its first rows, TP's
+        # equal slices: layout.py checks that TP divides its heads, widths and vocabulary) and runs what any runs
+        return [0]
+    if cfg.model == "gpt":  # a stage's TP rank 0 speaks for its TP ranks
+        return list(range(0, world_size // cfg.dp, cfg.tp))
     if cfg.strategy in ("fsdp", "tp"):  # TP: its ranks hold equal slices; FSDP over --dp, uneven ones
         return sorted({0, world_size - 1})
     return list(range(world_size // cfg.dp))
@@ -171,7 +184,171 @@ def time_config(cfg: Config, world_size: int, profile: Profile) -> StepTime:
 
 def counted_steps(cfg: Config, world_size: int) -> dict[int, StepCount]:
     """{rank: its counted step} for the ranks of `cfg` on `world_size` that run different steps."""
-    return {rank: plan_rank(cfg, world_size, rank, count=True).count for rank in ranks_to_measure(cfg, world_size)}
+    ranks = ranks_to_measure(cfg, world_size)
+    return {rank: r.count for rank, r in zip(ranks, measure_ranks([(cfg, world_size)], count=True)[0])}
+
+
+# A deep BabyGPT is planned at two depths and extrapolated to its own, block by block: its blocks are alike, so what a
+# rank holds and runs grows by the same amount with each block it holds (its state, the activations a step keeps, its
+# operators' calls, its collectives), which three and four blocks already show (docs/benchmarks, the planner for gpt:
+# the extrapolation against plans of every block; with two, a checkpointed block's peak is not yet on the line). A
+# pipeline rank's blocks are its stages': one and two a stage (on the line from one).
+SHALLOW = (3, 4)
+SHALLOW_STAGES = (1, 2)
+
+
+def _extrapolated_ranks(
+    cfg: Config, world_size: int, depths: tuple[int, ...], found: dict[tuple[int, int], RankMemory]
+) -> list[RankMemory]:
+    """Each rank of ranks_to_measure(cfg, world_size) at the model's own depth, from its plans at `depths` (`found`:
+    {(rank, depth): its plan there}), on the line through them in the blocks it holds."""
+    ranks = ranks_to_measure(cfg, world_size)
+    held = []
+    for depth in depths:
+        with model_depth(cfg.model_size, depth):
+            held.append([blocks_held(cfg, world_size, rank) for rank in ranks])
+    own = [blocks_held(cfg, world_size, rank) for rank in ranks]
+    planned = [[found[rank, depth] for rank in ranks] for depth in depths]
+    extrapolated = [_extrapolated(*pair, *blocks) for pair, blocks in zip(zip(*planned), zip(*held, own))]
+    if cfg.strategy == "ddp":  # DDP's buckets are not a block's each: laid out again, as DDP lays them
+        for rank in (r for r in extrapolated if r.count):
+            rank.count.collectives = _ddp_buckets(cfg, rank.count.collectives)
+    return extrapolated
+
+
+def _ddp_buckets(cfg: Config, counted: list[Collective]) -> list[Collective]:
+    """`counted`, DDP's bucket all-reduces replaced by those of the model of `cfg`: its gradients in buckets of DDP's
+    caps (25 MiB, the first 1 MiB), cut where torch's DDP cuts them, all-reduced in the order the fake step saw."""
+    import torch.distributed as dist
+
+    from planner.predict import _model
+
+    params = list(_model(cfg).parameters())  # (on the meta device: shapes alone)
+    caps = [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20]  # DDP's defaults (torch 2.14.1: _BucketCapacityConfig)
+    buckets, _ = dist._compute_bucket_assignment_by_size(params, caps, [False] * len(params))
+    sizes = [sum(params[i].numel() * params[i].element_size() for i in bucket) for bucket in reversed(buckets)]
+    bucket = next((c for c in counted if not c.logged), None)  # (its group and phase)
+    if bucket is None:  # (one rank: nothing is all-reduced)
+        return counted
+    return [replace(bucket, bytes=n) for n in sizes] + [c for c in counted if c.logged]
+
+
+def model_depth(size: str, depth: int) -> Any:
+    """BabyGPT of `size` with `depth` blocks, for the length of a `with`: its shape's depth replaced."""
+    from unittest import mock
+
+    from common.gpt_sizes import GPT_SIZES
+
+    return mock.patch.dict(GPT_SIZES, {size: GPT_SIZES[size]._replace(depth=depth)})
+
+
+def blocks_held(cfg: Config, world_size: int, rank: int) -> int:
+    """The blocks rank `rank` holds: all of them, or a pipeline rank its stages'."""
+    from common.gpt_sizes import GPT_SIZES
+
+    if cfg.strategy != "pippy":
+        return GPT_SIZES[cfg.model_size].depth
+    from common.pipeline_layout import PipelineLayout
+
+    layout = PipelineLayout.of(cfg, world_size)
+    names = [layer.name for layer in layers(cfg.model_size, cfg.dataset, cfg.model)]
+    bounds = [names.index(s) for s in layout.stage_starts] + [len(names)]
+    mine = layout.stages_of(rank // cfg.tp % layout.pp_size)
+    return sum(name.startswith("block") for s in mine for name in names[bounds[s] : bounds[s + 1]])
+
+
+def shallow_depths(cfg: Config, world_size: int) -> tuple[int, ...]:
+    """The two depths a deep BabyGPT is planned at (SHALLOW, a pipeline's per stage; () for a model no deeper, or
+    BabyCNN's and the ViT's, planned whole): the second the first where every planned rank holds more blocks."""
+    if cfg.model != "gpt":
+        return ()
+    from common.gpt_sizes import GPT_SIZES
+    from common.pipeline_layout import PipelineLayout
+
+    depth = GPT_SIZES[cfg.model_size].depth
+    stages = PipelineLayout.of(cfg, world_size).n_stages if cfg.strategy == "pippy" else 1
+    first, second = (stages * n for n in (SHALLOW_STAGES if cfg.strategy == "pippy" else SHALLOW))
+    if depth <= second:
+        return ()
+    ranks = ranks_to_measure(cfg, world_size)
+    with model_depth(cfg.model_size, first):
+        before = [blocks_held(cfg, world_size, rank) for rank in ranks]
+    for deeper in range(second, min(depth, 4 * second)):  # (a heavy head can keep the last stage's blocks)
+        with model_depth(cfg.model_size, deeper):
+            if all(blocks_held(cfg, world_size, r) > b for r, b in zip(ranks, before)):
+                return first, deeper
+    return ()
+
+
+def _line(a: float, b: float, at: tuple[int, int, int]) -> float:
+    """The value at `at[2]` blocks of what is `a` at `at[0]` and `b` at `at[1]`."""
+    return b + (b - a) * (at[2] - at[1]) / (at[1] - at[0])
+
+
+def _extrapolated(shallow: RankMemory, deeper: RankMemory, *blocks: int) -> RankMemory:
+    """A rank's plan at `blocks[2]` blocks from its plans at `blocks[0]` (`shallow`) and `blocks[1]` (`deeper`)."""
+    whole = lambda name: round(_line(getattr(shallow, name), getattr(deeper, name), blocks))  # noqa: E731
+    parts = {k: round(_line(shallow.parts.get(k, 0), v, blocks)) for k, v in deeper.parts.items()}
+    count = _extrapolated_count(shallow.count, deeper.count, blocks) if deeper.count else None
+    return RankMemory(
+        deeper.rank,
+        *(whole(name) for name in ("param_bytes", "grad_bytes", "optim_bytes", "peak_bytes")),
+        parts=parts,
+        in_flight_bytes=deeper.in_flight_bytes,  # (one micro-batch's activation: no block's)
+        count=count,
+    )
+
+
+def _extrapolated_count(shallow: StepCount, deeper: StepCount, blocks: tuple[int, int, int]) -> StepCount:
+    """A counted step at `blocks[2]` blocks: each kind of operator call, collective and DTensor call as many times
+    as the line through the two counts gives. A call whose tensors grow with the blocks (a foreach optimizer's, on
+    every parameter) is one call both times: its FLOPs and bytes follow the line instead."""
+    from dataclasses import replace as copy
+
+    def loose(key: tuple, op: Any) -> tuple:  # a call's kind, its tensors' shapes as a set
+        return op.signature, op.phase, op.action, frozenset(op.shapes)
+
+    exact, by_kind = shallow.ops, {loose(k, op): op for k, op in shallow.ops.items()}
+    found = StepCount(fsdp_units=round(_line(shallow.fsdp_units, deeper.fsdp_units, blocks)))
+    for key, op in deeper.ops.items():
+        if key in exact:
+            found.ops[key] = copy(op, calls=round(_line(exact[key].calls, op.calls, blocks)))
+        elif (before := by_kind.get(loose(key, op))) is not None and before.calls == op.calls:
+            grown = {f: round(_line(getattr(before, f), getattr(op, f), blocks)) for f in ("flops", "bytes")}
+            found.ops[key] = copy(op, **grown, fresh_bytes=round(_line(before.fresh_bytes, op.fresh_bytes, blocks)))
+        else:
+            found.ops[key] = op
+    for name, flops in deeper.module_flops.items():
+        found.module_flops[name] = round(_line(shallow.module_flops.get(name, flops), flops, blocks))
+    for key, calls in deeper.dtensor_calls.items():
+        found.dtensor_calls[key] = round(_line(shallow.dtensor_calls.get(key, 0), calls, blocks))
+    found.actions = list(deeper.actions)  # (the schedule's: its micro-batches and stages, not their blocks)
+    found.collectives = _extrapolated_collectives(shallow.collectives, deeper.collectives, blocks)
+    return found
+
+
+def _extrapolated_collectives(shallow: list[Collective], deeper: list[Collective], blocks: tuple) -> list[Collective]:
+    """The collectives of a step at `blocks[2]` blocks, from two counts: of each kind (all but its size alike) as many
+    as the line gives, each size as often as the line gives (a block's unit gathered, a block's layer summed); where a
+    kind is as many both times, each one's size on the line (what a pipeline stage gathers once a step)."""
+    from collections import Counter
+
+    loose = lambda c: replace(c, bytes=0)  # noqa: E731  (`before`, the operators before it, is never compared)
+    kinds, sizes, now = Counter(map(loose, shallow)), Counter(shallow), Counter(map(loose, deeper))
+    ones = {c: [s for s in shallow if loose(s) == c] for c in kinds}
+    more = {c: round(_line(sizes[c], n, blocks)) - n for c, n in Counter(deeper).items()}
+    last = {c: i for i, c in enumerate(deeper)}
+    found, seen = [], Counter()
+    for i, c in enumerate(deeper):
+        if kinds[loose(c)] == now[loose(c)]:  # as many both times: its size on the line
+            before = ones[loose(c)][seen[loose(c)]]
+            seen[loose(c)] += 1
+            found.append(replace(c, bytes=round(_line(before.bytes, c.bytes, blocks))))
+            continue
+        found.append(c)
+        if last[c] == i:  # the extra ones after the last of their kind (the step's phases stay in order)
+            found += [c] * max(more[c], 0)
+    return found
 
 
 def plan(variant: str, base: Config, world_size: int, *, profile: Profile | None = None) -> Plan | None:
@@ -181,7 +358,7 @@ def plan(variant: str, base: Config, world_size: int, *, profile: Profile | None
 
 def _empty_plan(variant: str, cfg: Config, world_size: int) -> Plan:
     variant_flags = ("model", "strategy", "sharding", "shard_units", "activation_checkpointing", "schedule", "dp")
-    variant_flags += ("tp", "sequence_parallel")
+    variant_flags += ("tp", "sequence_parallel", "precision") + (("seq_len",) if cfg.model == "gpt" else ())
     flags = {k: v for k, v in cfg.flags().items() if k in variant_flags}
     return Plan(
         variant,
@@ -192,6 +369,7 @@ def _empty_plan(variant: str, cfg: Config, world_size: int) -> Plan:
         textbook_state_bytes=textbook(cfg, world_size),
         unit_bytes=unit_bytes(cfg, world_size),
         model=cfg.model,
+        batch_size=cfg.batch_size,
     )
 
 
@@ -205,21 +383,31 @@ def plan_all(
     """plan(variant, base, world_size) for each of `wanted`, in its order, their ranks measured by `measure_ranks`
     (in `workers` processes); `started(variant, world_size)` as the first rank of a plan starts."""
     configs = [variant_config(variant, base, n) for variant, base, n in wanted]
-    feasible = [(cfg, n) for cfg, (_, _, n) in zip(configs, wanted) if cfg is not None]
-    told = [(variant, n) for cfg, (variant, _, n) in zip(configs, wanted) if cfg is not None]
+    named = [(variant, cfg, n) for cfg, (variant, _, n) in zip(configs, wanted) if cfg is not None]
+    plans = iter(plan_configs(named, profile=profile, workers=workers, started=started))
+    return [None if cfg is None else next(plans) for cfg in configs]
+
+
+def plan_configs(
+    named: list[tuple[str, Config, int]],
+    *,
+    profile: Profile | None = None,
+    workers: int = 1,
+    started: Callable[[str, int], None] | None = None,
+) -> list[Plan]:
+    """Each (name, cfg, world_size) of `named` planned under its name (a variant's, or a published run's), as
+    plan_all plans them."""
 
     def starts(i: int) -> None:
         if started:
-            started(*told[i])
+            started(named[i][0], named[i][2])
 
-    ranks = iter(measure_ranks(feasible, count=profile is not None, workers=workers, started=starts))
-    plans: list[Plan | None] = []
-    for (variant, _, n), cfg in zip(wanted, configs):
-        if cfg is None:
-            plans.append(None)
-            continue
+    wanted = [(cfg, n) for _, cfg, n in named]
+    ranks = measure_ranks(wanted, count=profile is not None, workers=workers, started=starts)
+    plans = []
+    for (variant, cfg, n), measured in zip(named, ranks):
         result = _empty_plan(variant, cfg, n)
-        result.ranks = next(ranks)
+        result.ranks, result.depths = measured, shallow_depths(cfg, n)
         if profile is not None:
             counts = {r.rank: r.count for r in result.ranks if r.count}
             result.time = predict(cfg, n, counts, profile)
@@ -236,12 +424,15 @@ def measure_ranks(
 ) -> list[list[RankMemory]]:
     """For each (cfg, world_size) of `wanted`: its ranks_to_measure, planned (planner/measure.py's plan_rank, its
     step counted with `count`), each step once (planner/jobs.py: DDP's rank once for every world of more than one,
-    a pipeline stage's TP ranks between the first and the last from those two), in `workers` processes; `started(i)`
-    as the first rank of wanted[i] starts."""
-    asked: list[dict[int, Job]] = []  # {rank: the job that measures it}, for each of wanted
+    a pipeline stage's TP ranks between the first and the last from those two), a deep BabyGPT's at two shallow
+    depths and extrapolated (`shallow_depths`), in `workers` processes; `started(i)` as the first rank of wanted[i]
+    starts."""
+    asked: list[dict[tuple[int, int], Job]] = []  # {(rank, depth): the job that measures it}, for each of wanted
     for cfg, n in wanted:
         between = tp_slices(cfg, n, ranks_to_measure(cfg, n), count)
-        asked.append({rank: Job(cfg, n, rank, count) for rank in ranks_to_measure(cfg, n) if rank not in between})
+        depths = shallow_depths(cfg, n) or (0,)  # (0: the model's own depth)
+        ranks = [rank for rank in ranks_to_measure(cfg, n) if rank not in between]
+        asked.append({(rank, d): Job(cfg, n, rank, count, d) for d in depths for rank in ranks})
     told: set[int] = set()
 
     def starts(job: Job) -> None:  # (a step several plans share starts them all)
@@ -255,12 +446,16 @@ def measure_ranks(
     more: dict[tuple[int, int], Job] = {}  # the ranks between a stage's first and last TP rank, where those differ
     for i, (cfg, n) in enumerate(wanted):
         for rank, (first, last) in tp_slices(cfg, n, ranks_to_measure(cfg, n), count).items():
-            if not same_but_rank(found[asked[i][first].key], found[asked[i][last].key]):
+            if not same_but_rank(found[asked[i][first, 0].key], found[asked[i][last, 0].key]):
                 more[i, rank] = Job(cfg, n, rank, count)
     found |= measure(list(more.values()), workers=workers)
     measured = []
     for i, (cfg, n) in enumerate(wanted):
+        if depths := shallow_depths(cfg, n):
+            measured.append(_extrapolated_ranks(cfg, n, depths, {k: found[job.key] for k, job in asked[i].items()}))
+            continue
         between = tp_slices(cfg, n, ranks_to_measure(cfg, n), count)
-        jobs = {**asked[i], **{rank: more.get((i, rank)) or asked[i][first] for rank, (first, _) in between.items()}}
+        jobs = {rank: job for (rank, _), job in asked[i].items()}
+        jobs |= {rank: more.get((i, rank)) or jobs[first] for rank, (first, _) in between.items()}
         measured.append([replace(found[jobs[rank].key], rank=rank) for rank in ranks_to_measure(cfg, n)])
     return measured

@@ -17,8 +17,11 @@ import torch
 from torch import nn
 
 from common.config import Config
+from common.gpt_sizes import GPT_SIZES
 from common.model import build_model
 from common.model_sizes import (
+    gpt_layers,
+    gpt_vocab,
     input_shape,
     layers,
     parameter_count,
@@ -73,9 +76,21 @@ def total_bytes(traffic: Traffic) -> float:
 
 def _model(cfg: Config) -> nn.Module:
     """The run's model on the meta device: shapes, no memory (a 7 B model costs nothing)."""
-    channels, side, classes = input_shape(cfg.model, cfg.model_size, cfg.dataset)
+    if cfg.model == "gpt":
+        shape = {"vocab_size": gpt_vocab(cfg.model_size, cfg.dataset), "seq_len": cfg.seq_len}
+    else:
+        channels, side, classes = input_shape(cfg.model, cfg.model_size, cfg.dataset)
+        shape = {"in_channels": channels, "image_size": side, "num_classes": classes}
     with torch.device("meta"):
-        return build_model(**cfg.model_kwargs(), in_channels=channels, image_size=side, num_classes=classes)
+        return build_model(**cfg.model_kwargs(), **shape)
+
+
+def _example(cfg: Config) -> torch.Tensor:
+    """One sample on the meta device: an image, or BabyGPT's sequence of tokens."""
+    if cfg.model == "gpt":
+        return torch.zeros(1, cfg.seq_len, dtype=torch.int64, device="meta")
+    channels, side, _ = input_shape(cfg.model, cfg.model_size, cfg.dataset)
+    return torch.empty(1, channels, side, side, device="meta")
 
 
 def _params(unit: nn.Module | list[nn.Module]) -> list[nn.Parameter]:
@@ -143,6 +158,9 @@ def _tp_traffic(model: nn.Module, cfg: Config, world_size: int) -> Traffic:
     found: Traffic = {}
     plan = model.tp_plan(cfg.sequence_parallel)
     split_dim = _tp_plan_traffic(found, model, cfg, plan, tp=tp, samples=chunk, times=steps)
+    if cfg.model == "gpt":  # the loss on logits split by vocabulary (loss_parallel): per token, the largest logit,
+        # the sum of the exponentials and the target's logit, each summed over "tp" (fp32), forward only
+        add(found, "all_reduce", elements=chunk * cfg.seq_len, itemsize=4, ranks=tp, times=3 * steps)
     if cfg.dp > 1:
         shard = lambda p: _tp_shard(p, split_dim, tp, cfg.dp)  # noqa: E731
 
@@ -172,7 +190,10 @@ def _tp_plan_traffic(
     sizes = _per_sample(model, cfg, plan)
 
     def move(kind: str, name: str, which: int) -> None:  # the input (0) or output (1) of `name`, per pass
-        add(found, kind, elements=samples * sizes[name][which], itemsize=item, ranks=tp, times=times)
+        size = item
+        if cfg.model == "gpt" and (which == 0 or isinstance(model.get_submodule(name), nn.Embedding)):
+            size = 4  # under autocast BabyGPT's RMSNorms and embedding hand on fp32: only a linear's output is not
+        add(found, kind, elements=samples * sizes[name][which], itemsize=size, ranks=tp, times=times)
 
     split_dim = {}  # parameter -> the dim TP splits: a column-wise layer's rows (and bias), a row-wise one's columns
     for name, style in plan.items():
@@ -181,11 +202,17 @@ def _tp_plan_traffic(
             by_tokens = style.output_layouts[0].is_shard()
             for collective in ("reduce_scatter", "all_gather") if by_tokens else ("all_reduce",):
                 move(collective, name, 1)
-            split_dim[id(module.weight)] = 1
+            split_dim[id(module.weight)] = 0 if isinstance(module, nn.Embedding) else 1  # (an embedding's rows)
         elif kind == "ColwiseParallel":
             gathered = type(plan.get(name.rsplit(".", 1)[0])).__name__ == "PrepareModuleInput"
-            if not gathered:
+            if style.input_layouts[0].is_shard():  # its input cut by tokens (BabyGPT's head under sequence
+                # parallel): gathered for it, its gradient reduce-scattered back
+                move("all_gather", name, 0)
+                move("reduce_scatter", name, 0)
+            elif not gathered:
                 move("all_reduce", name, 0)
+            if style.output_layouts[0].is_replicate():  # its output gathered whole (BabyGPT's logits in a pipeline)
+                move("all_gather", name, 1)
             split_dim |= {id(module.weight): 0, id(module.bias): 0}
         elif kind == "PrepareModuleInput":  # a gather of the tokens; its gradient reduce-scattered unless the
             # module computes whole on every rank (the head); or the cut after the embedding, gathered in backward
@@ -208,8 +235,7 @@ def _per_sample(model: nn.Module, cfg: Config, names: dict[str, Any]) -> dict[st
         )
         for name in names
     ]
-    channels, side, _ = input_shape(cfg.model, cfg.model_size, cfg.dataset)
-    model(torch.empty(1, channels, side, side, device="meta"))
+    model(_example(cfg))
     for hook in hooks:
         hook.remove()
     return found
@@ -225,14 +251,15 @@ def _pipeline_traffic(model: nn.Module, cfg: Config, world_size: int, rank: int)
     pieces = split_model(model, layout.stage_starts)
     micro_batch = cfg.chunk_size(world_size) // cfg.n_microbatches
     times = cfg.n_microbatches * cfg.grad_accum_steps
-    channels, side, _ = input_shape(cfg.model, cfg.model_size, cfg.dataset)
-    outputs, x = [], torch.empty(1, channels, side, side, device="meta")
+    outputs, x = [], _example(cfg)
     for piece in pieces:
         x = piece(x)
         outputs.append(micro_batch * x[0].numel())
     found: Traffic = {}
-    item = _itemsize(cfg)
-    plan = model.tp_plan() if cfg.tp > 1 else {}
+    item = 4 if cfg.model == "gpt" else _itemsize(cfg)  # (BabyGPT's residual stream stays fp32 under autocast)
+    plan = {}
+    if cfg.tp > 1:  # (BabyGPT's last stage gathers its logits whole: train_pippy.py's plan)
+        plan = model.tp_plan(loss_parallel=False) if cfg.model == "gpt" else model.tp_plan()
     for s in layout.stages_of(pp_rank):
         if s + 1 < layout.n_stages and layout.owner(s + 1) != pp_rank:  # forward out, its gradient back in
             add(found, "send", elements=outputs[s], itemsize=item, times=times)
@@ -281,7 +308,11 @@ def layer_flops(cfg: Config, *, kernels: bool = True) -> dict[str, tuple[int, in
     """{layer: (forward, backward) FLOPs per sample} of the model, from its sizes (common/model_sizes.py): backward
     twice forward (the gradients of the input and of the weights) but for the first layer with FLOPs, whose input,
     the images, needs no gradient; and, as the `kernels` run it, for attention, whose kernels recompute the scores
-    in backward (five matmuls of the tokens by the tokens to forward's two: torch.utils.flop_counter's count)."""
+    in backward (five matmuls of the tokens by the tokens to forward's two: torch.utils.flop_counter's count).
+    BabyGPT's (per sequence of --seq-len): its scores counted as a full square, as MFU's numerator counts them
+    (PaLM's 6 N + 12 L T d per token); its kernels skip the causal mask's upper half (`causal_attention`)."""
+    if cfg.model == "gpt":
+        return _gpt_layer_flops(cfg, kernels=kernels)
     attention = 0
     if cfg.model == "vit" and kernels:
         patch, width, *_ = VIT_SIZES[cfg.model_size]
@@ -295,6 +326,28 @@ def layer_flops(cfg: Config, *, kernels: bool = True) -> dict[str, tuple[int, in
     return found
 
 
+def gpt_attention_flops(cfg: Config) -> int:
+    """A BabyGPT block's forward FLOPs of the scores and their use per sequence, counted as a full square: q k^T
+    and the scores times v, 2 x T x T x width each."""
+    return 4 * cfg.seq_len * cfg.seq_len * GPT_SIZES[cfg.model_size].width
+
+
+def _gpt_layer_flops(cfg: Config, *, kernels: bool) -> dict[str, tuple[int, int]]:
+    """BabyGPT's layers (common/model_sizes.gpt_layers at --seq-len): backward twice forward everywhere (the
+    embedding's output needs its gradient, for the embedding's); with `kernels`, attention as the causal kernels
+    run it (planner/count.py counts it so): half the square forward, and backward's five matmuls of it to forward's
+    two, again half."""
+    attention = gpt_attention_flops(cfg) if kernels else 0
+    found = {}
+    for layer in gpt_layers(cfg.model_size, cfg.dataset, cfg.seq_len):
+        if layer.name.startswith("block") and attention:
+            matmuls = layer.flops - attention
+            found[layer.name] = (matmuls + attention // 2, 2 * matmuls + 5 * attention // 4)
+        else:
+            found[layer.name] = (layer.flops, 2 * layer.flops)
+    return found
+
+
 def analytic_flops(cfg: Config, world_size: int, rank: int) -> dict[str, float]:
     """{"forward", "backward"}: the FLOPs rank `rank` of `world_size` does per optimizer step by the model's sizes:
     its samples through the layers it holds (a pipeline rank its stages', a TP rank 1/tp of each layer TP splits);
@@ -305,7 +358,8 @@ def analytic_flops(cfg: Config, world_size: int, rank: int) -> dict[str, float]:
     share = {name: 1.0 for name in per_layer}
     tp = tp_degree(cfg, world_size)
     if tp > 1:  # the layers TP splits: the ViT's blocks (heads, MLP columns), BabyCNN's classifier pairs
-        split = [name for name in per_layer if name.startswith("block")] if cfg.model == "vit" else []
+        split = [name for name in per_layer if name.startswith("block")] if cfg.model in ("vit", "gpt") else []
+        split += ["head"] if cfg.model == "gpt" else []  # (its output layer by vocabulary)
         split += [name for pair in (tp_pairs(cfg.model_size) if cfg.model == "cnn" else []) for name in pair]
         share |= {name: 1 / tp for name in split}
     if cfg.strategy == "pippy":
@@ -330,6 +384,10 @@ def _recomputed(cfg: Config) -> int:
     per_layer = layer_flops(cfg)
     if cfg.model == "cnn":
         return sum(f for name, (f, _) in per_layer.items() if name != "fc2")
+    if cfg.model == "gpt":  # each block but its last matmul, SwiGLU's down
+        shape = GPT_SIZES[cfg.model_size]
+        down = 2 * cfg.seq_len * shape.mlp * shape.width
+        return sum(f - down for name, (f, _) in per_layer.items() if name.startswith("block"))
     patch, width, _, _, mlp = VIT_SIZES[cfg.model_size]
     tokens = (input_shape("vit", cfg.model_size, cfg.dataset)[1] // patch) ** 2
     return sum(f - 2 * tokens * mlp * width for name, (f, _) in per_layer.items() if name.startswith("block"))

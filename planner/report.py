@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
-from typing import NamedTuple
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
 from common.config import Config
 from common.model_sizes import parameter_count
 from planner.measure import RankMemory
 from planner.plan import Plan, measure_ranks, variant_config
+from planner.timing import Profile
 from runner.layout import would_start
 
 
@@ -37,12 +38,22 @@ def _peak_parts(p: Plan) -> str:
     return "; ".join(said)
 
 
+NAMES = {"cnn": "BabyCNN", "vit": "BabyViT", "gpt": "BabyGPT"}
+
+
+def _parameters(model: str, model_size: str) -> int:
+    return parameter_count(model_size, "copy" if model == "gpt" else "digits", model)
+
+
 def table(plans: list[Plan], model: str, model_size: str, *, memory: int | None) -> str:
-    n = parameter_count(model_size, model=model)
-    name = {"cnn": "BabyCNN", "vit": "BabyViT"}[model]
+    n = _parameters(model, model_size)
+    batch = ""
+    if plans and model == "gpt":  # its batch in sequences of seq_len tokens
+        p = plans[0]
+        batch = f"; {p.per_rank_batch:,} sequence(s) of {p.flags['seq_len']:,} tokens per rank"
     lines = [
-        f"{name} {model_size}: {n:,} parameters; per rank, the rank that needs the most (AdamW, fp32). "
-        "textbook: 16 bytes per parameter / the ranks sharing it.",
+        f"{NAMES[model]} {model_size}: {n:,} parameters{batch}; per rank, the rank that needs the most (AdamW, fp32 "
+        "state). textbook: 16 bytes per parameter / the ranks sharing it.",
         "",
         "| strategy | ranks | params | grads | optimizer | state | textbook | state - textbook | peak of a step "
         "| peak - params - optimizer |" + (" fits |" if memory else ""),
@@ -84,17 +95,20 @@ def seconds(s: float) -> str:
 def time_table(plans: list[Plan], profile_name: str) -> str:
     """Each plan's step, predicted on the profile's machine (planner/timing.py): the slowest rank's compute and
     communication, what of that communication no compute hides, a pipeline's bubble."""
+    tokens = any(p.model == "gpt" for p in plans)  # a language's: tokens per second per rank, as papers give it
     lines = [
         f"\nTime per step on {profile_name} (planner/timing.py; docs/time.md):",
         "",
-        "| strategy | ranks | step | samples/s | MFU | compute | communication | exposed | bubble |",
+        f"| strategy | ranks | step | {'tokens/s per rank' if tokens else 'samples/s'} | MFU | compute | communication "
+        "| exposed | bubble |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for p in (p for p in plans if p.time):
         t = p.time
         bubble = f"{t.bubble:.0%}" if p.flags["strategy"] == "pippy" else "-"
+        rate = t.samples_per_s * p.flags["seq_len"] / p.world_size if tokens else t.samples_per_s
         lines.append(
-            f"| {p.variant} | {p.world_size} | {seconds(t.step_s)} | {t.samples_per_s:,.0f} | {t.mfu:.1%} | "
+            f"| {p.variant} | {p.world_size} | {seconds(t.step_s)} | {rate:,.0f} | {t.mfu:.1%} | "
             f"{seconds(t.compute_s)} | {seconds(t.communication_s)} | {seconds(t.exposed_s)} | {bubble} |"
         )
     return "\n".join(lines)
@@ -130,7 +144,8 @@ def largest_batch(p: Plan, memory: int, *, start: int) -> Largest | None:
     """Search the per-rank batches `p`'s variant can run (multiples of the smallest) for the largest whose worst
     rank's planned peak (with a pipeline's in-flight sends) fits: bracket by doubling or halving from `start`, then
     narrow by the line through the bracket's ends, halving where the line stalls. A few plans, seconds each."""
-    base = Config(model=p.model, model_size=p.model_size, optimizer=p.optimizer)
+    own = {k: p.flags[k] for k in ("precision", "seq_len") if k in p.flags}  # (what the variant does not set)
+    base = Config(model=p.model, model_size=p.model_size, optimizer=p.optimizer, **own)
 
     def config(per_rank: int) -> Config | None:  # None: a batch the variant cannot split (micro-batches, replicas)
         cfg = variant_config(p.variant, replace(base, batch_size=per_rank * p.world_size), p.world_size)
@@ -192,10 +207,138 @@ def draw(plans: list[Plan], out: str, *, memory: int | None) -> None:
     if memory:
         ax.axhline(memory / 1e9, color="black", linestyle="--", linewidth=1, label=f"device memory {size(memory)}")
     ax.set(xscale="log", yscale="log", xlabel="ranks", ylabel="GB per rank (the rank that needs the most)")
-    name = {"cnn": "BabyCNN", "vit": "BabyViT"}[model]
-    n = parameter_count(model_size, model=model)
-    ax.set_title(f"{name} {model_size} ({n:,} parameters): memory per rank, planned")
+    n = _parameters(model, model_size)
+    ax.set_title(f"{NAMES[model]} {model_size} ({n:,} parameters): memory per rank, planned")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+@dataclass(frozen=True)
+class Published:
+    """A published measurement of an LLM's training whose model BabyGPT's shapes express: how it ran, as the planner
+    plans it (`plans`: (what it is planned as, its Config's fields), one or more where the run did what the planner
+    cannot do exactly), and what it measured per GPU. Nothing is fitted on it: the planner's profile and count alone."""
+
+    name: str
+    cite: str
+    world_size: int
+    plans: tuple[tuple[str, dict[str, Any]], ...]
+    tokens_per_gpu: float | None = None  # tokens/s per GPU
+    memory_gib: float | None = None  # per GPU, the most any GPU held
+    mfu: float | None = None
+
+
+_TITAN = (
+    "Liang et al. 2024, TorchTitan (arXiv 2410.06511): pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md"
+)
+_TITAN_8B = {"model_size": "llama3-8b", "seq_len": 8192, "precision": "bf16", "strategy": "fsdp", "sharding": "full"}
+_LLAMA3 = "Dubey et al. 2024, The Llama 3 Herd of Models (arXiv 2407.21783), Table 4"
+_LLAMA3_405B = {"model_size": "llama3-405b", "seq_len": 8192, "precision": "bf16", "strategy": "pippy", "tp": 8}
+
+
+def _titan(world: int) -> tuple[tuple[str, dict[str, Any]], ...]:
+    """torchtitan's FSDP run (a unit per block, 2 sequences a GPU, selective activation checkpointing: every other
+    matmul's output kept) planned as the two ends the planner has: no checkpointing, and every block checkpointed."""
+    flags = {**_TITAN_8B, "shard_units": "blocks", "batch_size": 2 * world}
+    return (
+        ("fsdp full, a unit per block", flags),
+        ("fsdp full, a unit per block, checkpointed", {**flags, "activation_checkpointing": True}),
+    )
+
+
+def _llama3(dp: int, per_replica: int) -> tuple[tuple[str, dict[str, Any]], ...]:
+    """Llama 3's 405B run: TP 8 in a node, 16 pipeline stages (they interleave stages; planned as 1F1B, a stage a
+    rank), FSDP over the replicas, micro-batches of one sequence."""
+    flags = {**_LLAMA3_405B, "schedule": "1f1b", "dp": dp, "n_microbatches": per_replica}
+    return (("fsdp x pp x tp (tp 8, pp 16, 1f1b)", {**flags, "batch_size": dp * per_replica}),)
+
+
+PUBLISHED = (
+    Published(
+        "torchtitan-8b-8",
+        f"{_TITAN}, Table 1, FSDP: Llama 3.1 8B on 8 H100 (96 GB HBM2e, 500 W), 2 sequences of 8,192 a GPU, bf16, "
+        "selective activation checkpointing; memory: the most the allocator reserved",
+        8,
+        _titan(8),
+        tokens_per_gpu=5762,
+        memory_gib=82.4,
+    ),
+    Published(
+        "torchtitan-8b-128",
+        f"{_TITAN}, Table 3, FSDP: the same on 128 H100",
+        128,
+        _titan(128),
+        tokens_per_gpu=5605,
+        memory_gib=67.0,
+    ),
+    Published(
+        "llama3-405b-8k",
+        f"{_LLAMA3}: Llama 3 405B on 8,192 H100 (80 GB, 700 W), TP 8, PP 16, DP 64, 32 sequences of 8,192 per "
+        "replica, bf16: 430 TFLOP/s a GPU",
+        8192,
+        _llama3(64, 32),
+        mfu=0.43,
+    ),
+    Published(
+        "llama3-405b-16k",
+        f"{_LLAMA3}: the same on 16,384 H100, DP 128, 16 sequences per replica: 400 TFLOP/s a GPU",
+        16384,
+        _llama3(128, 16),
+        mfu=0.41,
+    ),
+)
+
+
+def plan_published(items: list[Published], profile: Profile, *, workers: int = 1) -> list[list[Plan]]:
+    """Each of the ways each of `items` is planned (Published.plans), its step timed on `profile`, in `workers`
+    processes."""
+    from planner.jobs import say
+    from planner.plan import plan_configs
+
+    named = []
+    for item in items:
+        for label, flags in item.plans:
+            cfg = Config(model="gpt", train_size=flags["batch_size"], **flags)
+            cfg.check(world_size=item.world_size)  # (a run the scripts would start)
+            named.append((label, cfg, item.world_size))
+    started = lambda name, n: say(f"planning {name} on {n:,} ranks")  # noqa: E731
+    plans = iter(plan_configs(named, profile=profile, workers=workers, started=started))
+    return [[next(plans) for _ in item.plans] for item in items]
+
+
+def _error(planned: float, published: float | None) -> str:
+    return f"{planned / published - 1:+.0%}" if published else "-"
+
+
+def published_table(items: list[Published], plans: list[list[Plan]], profile_name: str) -> str:
+    """The planned step and memory beside each published measurement, and the planner's error against it
+    (planned / published - 1): tokens/s and memory per GPU, MFU (the model's FLOPs, attention's scores a full
+    square, as PaLM counts them, over the step and the GPUs' peak); and where the planned step goes."""
+    lines = [
+        f"Published measurements beside the planner's plans of them (their shapes and layouts, on {profile_name}; "
+        "nothing fitted on them). Error: planned / published - 1. Memory: the rank that needs the most, its peak.",
+        "",
+        "| measurement | planned as | tokens/s per GPU: published | planned | error | memory per GPU: published "
+        "| planned | error | MFU: published | planned | error | step | exposed communication | bubble |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for item, planned in zip(items, plans):
+        for p in planned:
+            t, w = p.time, p.worst
+            tokens = t.samples_per_s * p.flags["seq_len"] / p.world_size
+            memory = (w.peak_bytes + w.in_flight_bytes) / 2**30
+            had = (
+                f"{item.tokens_per_gpu:,.0f}" if item.tokens_per_gpu else "-",
+                f"{item.memory_gib:.1f} GiB" if item.memory_gib else "-",
+                f"{item.mfu:.0%}" if item.mfu else "-",
+            )
+            bubble = f"{t.bubble:.0%}" if p.flags["strategy"] == "pippy" else "-"
+            lines.append(
+                f"| {item.name} | {p.variant} | {had[0]} | {tokens:,.0f} | {_error(tokens, item.tokens_per_gpu)} | "
+                f"{had[1]} | {memory:.1f} GiB | {_error(memory, item.memory_gib)} | {had[2]} | {t.mfu:.1%} | "
+                f"{_error(t.mfu, item.mfu)} | {seconds(t.step_s)} | {seconds(t.exposed_s)} | {bubble} |"
+            )
+    lines += ["", *(f"- {item.name}: {item.cite}" for item in items)]
+    return "\n".join(lines)
