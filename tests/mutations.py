@@ -343,6 +343,30 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "return gpt_layers(cfg.model_size, cfg.dataset)",
         ["tests/integration/test_gpt_runs.py", "-k", "memory_wall"],
     ),
+    "planner-causal": (  # the planner counts a causal attention as the whole square of scores, not its kernels' half
+        "planner/count.py",
+        "return sdpa_flop_count(query.shape, key.shape, value.shape) // (2 if is_causal else 1)",
+        "return sdpa_flop_count(query.shape, key.shape, value.shape)",
+        ["tests/unit/test_planner_gpt.py", "-k", "causal or flops_and_moves"],
+    ),
+    "planner-depths": (  # a deep BabyGPT's plan left at the shallower depth it was planned at, not extrapolated
+        "planner/plan.py",
+        "    own = [blocks_held(cfg, world_size, rank) for rank in ranks]",
+        "    own = held[-1]",
+        ["tests/unit/test_planner_gpt.py", "-k", "extrapolated_plan"],
+    ),
+    "planner-chunks": (  # FSDP's chunks, made one at a time by the planner, each the first rank's
+        "planner/shortcuts.py",
+        "        start = i * self.rows\n",
+        "        start = 0\n",
+        ["tests/unit/test_planner_speed.py", "-k", "chunks"],
+    ),
+    "planner-tp-stand-ins": (  # a pipeline stage's middle TP ranks copied from its first even where its last differs
+        "planner/plan.py",
+        "            if not same_but_rank(",
+        "            if False and not same_but_rank(",
+        ["tests/unit/test_planner_speed.py", "-k", "differ"],
+    ),
 }
 
 
