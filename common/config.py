@@ -32,7 +32,7 @@ GPT_FLAGS = ("seq_len", "kv_heads", "data_file")  # flags of BabyGPT alone
 OPTIMIZERS = ("sgd", "adamw")
 SHARDINGS = ("full", "grad-op", "hybrid", "none")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
-STRATEGIES = ("ddp", "fsdp", "pippy", "tp")
+STRATEGIES = ("ddp", "fsdp", "pippy", "tp", "cp")
 BATCH_TOO_BIG = "the global batch {} is larger than the training set ({} samples); use a smaller batch or more data"
 PREEMPT_SIGNALS = ("USR1", "USR2")  # SIGTERM is always one; SIGINT (Ctrl-C) stops at once, without a checkpoint
 CHOICES = {  # flag -> (what it names, its values)
@@ -46,6 +46,7 @@ CHOICES = {  # flag -> (what it names, its values)
     "schedule": ("schedule", SCHEDULES),
     "lr_schedule": ("schedule", ("auto", "constant", "cosine", "linear")),
     "allreduce": ("all-reduce", ("builtin", "ring")),
+    "cp_attention": ("attention", ("ring", "torch")),
     "preempt_signal": ("signal", PREEMPT_SIGNALS),
 }
 # Counts that must be at least 1, and those where 0 means something of its own (said in the error)
@@ -157,7 +158,8 @@ class Config:
     cpu_offload: bool = False
     """FSDP: keep sharded parameters, gradients and optimizer state in CPU memory (for GPU runs)."""
     activation_checkpointing: bool = False
-    """FSDP: keep only the model's input for backward and recompute its activations (BabyCNN's layers are one span)."""
+    """FSDP, CP: keep only each unit's input for backward and recompute its activations (BabyCNN's layers are one
+    span)."""
 
     # --- pipeline ---
     schedule: str = "1f1b"
@@ -167,12 +169,14 @@ class Config:
     stages_per_rank: int = 1
     """Pipeline: stages on each rank (2 or more for the interleaved, looped and V schedules)."""
     dp: int = 1
-    """Pipeline and TP: number of data-parallel replicas (world size = dp x pipeline or TP ranks); TP shards
-    its replicas with FSDP (FSDP x TP)."""
+    """Pipeline, TP and CP: number of data-parallel replicas (world size = dp x pipeline, TP or CP ranks); TP
+    shards its replicas with FSDP (FSDP x TP); CP shards over every rank."""
     tp: int = 1
     """Pipeline, --model vit: TP ranks splitting each stage's blocks (world size = dp x pipeline x TP ranks)."""
     sequence_parallel: bool = False
     """TP, --model vit: LayerNorms and residual stream on a share of the tokens per TP rank (docs/tp.md)."""
+    cp_attention: str = "ring"
+    """CP: ring (written out in common/ring_attention.py, any device) or torch (PyTorch's context_parallel: CUDA)."""
 
     # --- output, logging, checkpoints ---
     out: str = ""
@@ -254,6 +258,12 @@ class Config:
             check_observability(
                 self.profile_steps, memory_snapshot=self.memory_snapshot, tensorboard=self.tensorboard, on_cpu=on_cpu
             )
+        if self.strategy == "cp":
+            ring = "train_cp.py's ring sends from Python, inside an autograd.Function that torch.compile would break at"
+            need(not self.compile, "compile", f"{ring}; drop --compile")
+            where = device_type or self.device
+            problem = "PyTorch's context_parallel runs only CUDA's attention kernels; on CPU use ring (the default)"
+            need(self.cp_attention == "ring" or where != "cpu", "cp_attention", problem)
         if self.compile and device_type:
             from common.optional_checks import require_compiler
 
@@ -283,6 +293,17 @@ class Config:
         if self.model == "cnn" and (self.patch_size or self.heads):
             flag = "--patch-size" if self.patch_size else "--heads"
             raise ConfigError(f"{flag}: a flag of the ViT (--model vit); BabyCNN has no patches or heads: drop it")
+        if self.strategy == "cp" and self.model != "gpt":
+            raise ConfigError(
+                "--model: context parallelism cuts a sequence's tokens over ranks and runs causal attention as a ring; "
+                + (
+                    "BabyCNN has no tokens or attention"
+                    if self.model == "cnn"
+                    else "the ViT's attention is bidirectional, over 17 patches (the ring's head and tail chunks need "
+                    "a causal mask), so it is refused"
+                )
+                + ": use --model gpt (train_cp.py's default)"
+            )
         given = [name for name in GPT_FLAGS if getattr(self, name)]
         if self.model != "gpt" and given:
             flag = "--" + given[0].replace("_", "-")
@@ -314,15 +335,20 @@ class Config:
         pipeline's or TP's layout needs, they check themselves, in train_pippy.py and train_tp.py, and the
         runners' preflight before torchrun.)"""
         replicas = self.data_parallel_size(world_size)
-        if self.strategy in ("pippy", "tp") and world_size % (self.dp * self.tp):
+        if self.strategy in ("pippy", "tp", "cp") and world_size % (self.dp * self.tp):
             what = f"{self.dp}" if self.tp == 1 else f"{self.dp} x --tp {self.tp} = {self.dp * self.tp}"
             use = "a --dp that divides it" if self.tp == 1 else "a --dp and a --tp whose product divides it"
             raise ConfigError(f"--dp: {what} does not divide the world size {world_size}; use {use}")
         if (self.batch_size // self.grad_accum_steps) % replicas:
-            what = "data-parallel replicas (--dp)" if self.strategy in ("pippy", "tp") else "processes"
+            what = "data-parallel replicas (--dp)" if self.strategy in ("pippy", "tp", "cp") else "processes"
             raise ConfigError(
                 f"--batch-size: the global batch {self.batch_size} (/ --grad-accum-steps {self.grad_accum_steps}) "
                 f"does not split evenly over {replicas} {what}; use a multiple of {replicas * self.grad_accum_steps}"
+            )
+        if self.strategy == "cp" and self.seq_len % (2 * (cp := world_size // self.dp)):
+            raise ConfigError(
+                f"--seq-len: {self.seq_len} tokens do not cut into 2 x {cp} CP ranks = {2 * cp} equal chunks (a head "
+                f"and a tail per rank); use a multiple of {2 * cp}"
             )
         if self.strategy == "fsdp" and self.sharding == "hybrid" and (world_size < 2 or world_size % 2):
             raise ConfigError(f"--sharding: hybrid needs an even world size (2 replicas x shards), got {world_size}")
@@ -337,7 +363,7 @@ class Config:
 
     def data_parallel_size(self, world_size: int) -> int:
         """How many ranks split each global batch (the pipeline and TP split it only across their replicas)."""
-        return self.dp if self.strategy in ("pippy", "tp") else world_size
+        return self.dp if self.strategy in ("pippy", "tp", "cp") else world_size
 
     def chunk_size(self, world_size: int) -> int:
         """Samples a data-parallel rank (pipeline, TP: replica) runs per accumulation step (then micro-batches)."""
@@ -349,17 +375,21 @@ class Config:
         if self.strategy == "pippy":
             m = self.n_microbatches
             return f"{self.dp} replicas x {self.grad_accum_steps} accumulation steps x {m} micro-batches x {chunk // m}"
-        if self.strategy == "tp":
-            tp, steps = world_size // self.dp, self.grad_accum_steps
-            return f"{self.dp} replicas x {steps} accumulation steps x {chunk} (the same on its {tp} TP ranks)"
+        if self.strategy in ("tp", "cp"):
+            ranks, steps, name = world_size // self.dp, self.grad_accum_steps, self.strategy.upper()
+            return f"{self.dp} replicas x {steps} accumulation steps x {chunk} (the same on its {ranks} {name} ranks)"
         return f"{world_size} ranks x {self.grad_accum_steps} accumulation steps x {chunk}"
 
 
 # Flags that exist only in some scripts; all other fields are flags of every script.
+# A script's own defaults, where they differ from Config's: context parallelism exists for language models
+STRATEGY_DEFAULTS = {"cp": {"model": "gpt"}}
 STRATEGY_FLAGS = {
     "allreduce": ("ddp",),
-    **dict.fromkeys(("sharding", "shard_units", "cpu_offload", "activation_checkpointing"), ("fsdp",)),
+    **dict.fromkeys(("sharding", "shard_units", "cpu_offload"), ("fsdp",)),
+    "activation_checkpointing": ("fsdp", "cp"),
     **dict.fromkeys(("schedule", "n_microbatches", "stages_per_rank", "tp"), ("pippy",)),
-    "dp": ("pippy", "tp"),
+    "dp": ("pippy", "tp", "cp"),
     "sequence_parallel": ("tp",),
+    "cp_attention": ("cp",),
 }

@@ -46,13 +46,18 @@ class Attention(nn.Module):
         self.head_dim = width // heads
         self.q, self.o = nn.Linear(width, width, bias=False), nn.Linear(width, width, bias=False)
         self.k, self.v = (nn.Linear(width, kv_heads * self.head_dim, bias=False) for _ in range(2))
+        # train_cp.py's RingAttention (common/ring_attention.py): x holds this rank's tokens of every sequence, and
+        # the ring gives their global positions and attends over the other ranks' keys and values
+        self.ring = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:  # x [B, T, D]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, T, D]
         b, t, _ = x.shape
         # [B, T, D] -> [B, heads, T, head_dim], with -1 heads: this rank's (a view of the global count would break)
         q, k, v = (f(x).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
-        positions = torch.arange(t, device=x.device) if positions is None else positions
+        positions = self.ring.positions(t, x.device) if self.ring else torch.arange(t, device=x.device)
         q, k = rotary(q, positions), rotary(k, positions)
+        if self.ring:  # context parallelism: causal over the whole sequence, the keys and values passed round
+            return self.o(self.ring(q, k, v).transpose(1, 2).reshape(b, t, -1))
         if (groups := q.shape[1] // k.shape[1]) > 1:  # each key/value head serves `groups` query heads in a row
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # a token sees itself and the tokens before it
@@ -127,6 +132,10 @@ class BabyGPT(nn.Sequential):
     def blocks(self) -> list[nn.Module]:
         """The decoder blocks, in order: a unit each for FSDP (the embedding and the head stay with the root)."""
         return [layer for name, layer in self.named_children() if name.startswith("block")]
+
+    def attentions(self) -> list[Attention]:
+        """Every block's attention: what context parallelism (train_cp.py) gives its ring."""
+        return [module for module in self.modules() if isinstance(module, Attention)]
 
     def tp_plan(self, sequence_parallel: bool = False, loss_parallel: bool = True) -> dict[str, ParallelStyle]:
         """Megatron's split of every block: q, k and v by columns (each TP rank its heads and key/value heads),
