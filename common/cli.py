@@ -12,7 +12,7 @@ import textwrap
 from dataclasses import fields
 from typing import Sequence
 
-from common.config import STRATEGIES, STRATEGY_DEFAULTS, STRATEGY_FLAGS, Config
+from common.config import STRATEGIES, STRATEGY_FLAGS, Config
 from common.errors import ConfigError
 
 
@@ -44,7 +44,7 @@ def build_parser(strategy: str) -> argparse.ArgumentParser:
         if not f.metadata.get("cli", True) or strategy not in STRATEGY_FLAGS.get(f.name, STRATEGIES):
             continue
         flag = "--" + f.name.replace("_", "-")
-        default = STRATEGY_DEFAULTS.get(strategy, {}).get(f.name, f.default)
+        default = "gpt" if (strategy, f.name) == ("cp", "model") else f.default  # CP exists for language models
         if f.type in ("bool", bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=docs[f.name])
         else:

@@ -158,8 +158,7 @@ class Config:
     cpu_offload: bool = False
     """FSDP: keep sharded parameters, gradients and optimizer state in CPU memory (for GPU runs)."""
     activation_checkpointing: bool = False
-    """FSDP, CP: keep only each unit's input for backward and recompute its activations (BabyCNN's layers are one
-    span)."""
+    """FSDP, CP: keep only each unit's input for backward and recompute its activations (BabyCNN: one span)."""
 
     # --- pipeline ---
     schedule: str = "1f1b"
@@ -258,12 +257,6 @@ class Config:
             check_observability(
                 self.profile_steps, memory_snapshot=self.memory_snapshot, tensorboard=self.tensorboard, on_cpu=on_cpu
             )
-        if self.strategy == "cp":
-            ring = "train_cp.py's ring sends from Python, inside an autograd.Function that torch.compile would break at"
-            need(not self.compile, "compile", f"{ring}; drop --compile")
-            where = device_type or self.device
-            problem = "PyTorch's context_parallel runs only CUDA's attention kernels; on CPU use ring (the default)"
-            need(self.cp_attention == "ring" or where != "cpu", "cp_attention", problem)
         if self.compile and device_type:
             from common.optional_checks import require_compiler
 
@@ -276,6 +269,11 @@ class Config:
         need(self.batch_size % self.grad_accum_steps == 0, "grad-accum-steps", problem)
         if world_size is not None:
             self.check_world_size(world_size)
+        if self.strategy == "cp":
+            from common.cp_checks import check_cp  # train_cp.py's own: its model, --seq-len, --compile
+
+            flags = {name: getattr(self, name) for name in ("seq_len", "compile", "cp_attention", "dp")}
+            check_cp(self.model, **flags, device=device_type or self.device, world_size=world_size)
         return self
 
     def check_model(self) -> None:
@@ -293,17 +291,6 @@ class Config:
         if self.model == "cnn" and (self.patch_size or self.heads):
             flag = "--patch-size" if self.patch_size else "--heads"
             raise ConfigError(f"{flag}: a flag of the ViT (--model vit); BabyCNN has no patches or heads: drop it")
-        if self.strategy == "cp" and self.model != "gpt":
-            raise ConfigError(
-                "--model: context parallelism cuts a sequence's tokens over ranks and runs causal attention as a ring; "
-                + (
-                    "BabyCNN has no tokens or attention"
-                    if self.model == "cnn"
-                    else "the ViT's attention is bidirectional, over 17 patches (the ring's head and tail chunks need "
-                    "a causal mask), so it is refused"
-                )
-                + ": use --model gpt (train_cp.py's default)"
-            )
         given = [name for name in GPT_FLAGS if getattr(self, name)]
         if self.model != "gpt" and given:
             flag = "--" + given[0].replace("_", "-")
@@ -345,11 +332,6 @@ class Config:
                 f"--batch-size: the global batch {self.batch_size} (/ --grad-accum-steps {self.grad_accum_steps}) "
                 f"does not split evenly over {replicas} {what}; use a multiple of {replicas * self.grad_accum_steps}"
             )
-        if self.strategy == "cp" and self.seq_len % (2 * (cp := world_size // self.dp)):
-            raise ConfigError(
-                f"--seq-len: {self.seq_len} tokens do not cut into 2 x {cp} CP ranks = {2 * cp} equal chunks (a head "
-                f"and a tail per rank); use a multiple of {2 * cp}"
-            )
         if self.strategy == "fsdp" and self.sharding == "hybrid" and (world_size < 2 or world_size % 2):
             raise ConfigError(f"--sharding: hybrid needs an even world size (2 replicas x shards), got {world_size}")
 
@@ -382,8 +364,6 @@ class Config:
 
 
 # Flags that exist only in some scripts; all other fields are flags of every script.
-# A script's own defaults, where they differ from Config's: context parallelism exists for language models
-STRATEGY_DEFAULTS = {"cp": {"model": "gpt"}}
 STRATEGY_FLAGS = {
     "allreduce": ("ddp",),
     **dict.fromkeys(("sharding", "shard_units", "cpu_offload"), ("fsdp",)),

@@ -21,12 +21,13 @@ TRAJECTORY = (
     *("precision", "loss_scale", "loss_scale_growth_interval"),  # its arithmetic
 )
 # Settings a resume may change, said once: the layout (a DCP checkpoint loads into any), the length (a decaying
-# --lr-schedule re-timed from here on), the cadences, and what is observed (--compile: kernels, not arithmetic).
+# --lr-schedule re-timed from here on), the cadences, and what is observed (--compile, --cp-attention: kernels, not
+# arithmetic).
 MAY_CHANGE = (
     *("strategy", "allreduce", "sharding", "shard_units", "cpu_offload", "activation_checkpointing"),
     *("schedule", "n_microbatches", "stages_per_rank", "dp", "tp", "sequence_parallel", "grad_accum_steps"),
     *("epochs", "max_steps", "log_every", "eval_every", "checkpoint_every", "keep"),
-    *("compile", "profile_steps", "memory_snapshot", "tensorboard", "measure_peak"),
+    *("compile", "profile_steps", "memory_snapshot", "tensorboard", "measure_peak", "cp_attention"),
 )
 # Settings that are where and how this launch runs, not what it trains: they change silently.
 FREE = ("data_dir", "out", "resume", "device", "threads", "timeout_s", "preempt_signal")

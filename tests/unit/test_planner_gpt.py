@@ -223,7 +223,7 @@ def test_the_planner_command_holds_the_bytes_a_run_holds(tmp_path, capsys):
     "flags, said",
     [
         (["--seq-len", "128"], "error: --seq-len: a flag of --model gpt"),
-        (["--model", "gpt", "--model-size", "baby", "--seq-len", "4096"], "error: --seq-len: 4096 tokens are beyond"),
+        (["--model", "gpt", "--model-size", "baby", "--seq-len", "32768"], "error: --seq-len: 32768 tokens are beyond"),
         (["--model", "gpt", "--published", "gpt-4", "--profile", "h100-sxm"], "error: --published: no published"),
         (["--model", "gpt", "--published"], "error: --published: the published trainings are compared by"),
     ],
