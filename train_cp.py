@@ -14,7 +14,7 @@ context-parallel.md). Lines specific to CP: `# [CP]`.
 """
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -48,26 +48,38 @@ def main(argv: list[str] | None = None) -> None:
         teardown_distributed()
 
 
-def apply_cp(attentions: Sequence[nn.Module], cp_mesh: DeviceMesh, *, builtin: bool = False) -> RingAttention:
-    """[CP] The wrap: every attention of the model (`model.attentions()`) attends by the ring of `cp_mesh`'s ranks,
-    and takes its rotary positions from it; returns the ring, which cuts the data (`ring.shard`) and puts the
-    logits back together (`ring.gather`). `builtin`: attention by torch's context parallelism (CUDA only), entered
-    around forward and backward with `torch_context_parallel`."""
-    ring = (BuiltinRing if builtin else RingAttention)(cp_mesh.get_group())
+def apply_cp(attentions: Sequence[nn.Module], ring: Any) -> None:
+    """[CP] The wrap: every attention of the model (`model.attentions()`) attends by `ring` (a RingAttention of
+    common/ring_attention.py, a file of torch alone: copy it whole), which also gives it its tokens' global
+    positions for the rotary embedding. The ring cuts the data (`ring.shard`) and puts logits back (`ring.gather`)."""
     for attention in attentions:
         attention.ring = ring  # [CP] (common/gpt.py: with a ring, attention is the ring's)
-    return ring
 
 
-def torch_context_parallel(cp_mesh: DeviceMesh, sequences: list[torch.Tensor]) -> AbstractContextManager:
-    """[CP] --cp-attention torch: PyTorch's own context parallelism (CUDA's flash, efficient or cuDNN kernels).
-    Inside it, scaled_dot_product_attention runs torch's ring over `cp_mesh`, and `sequences` ([B, T] each) are
-    cut in place into the same head and tail chunks as the written-out ring's (its load balancer's default)."""
+def cut_sequences(
+    ring: Any, sequences: Sequence[torch.Tensor], *, torch_cp: DeviceMesh | None = None
+) -> tuple[list[torch.Tensor], AbstractContextManager]:
+    """[CP] This rank's head and tail chunk of each of `sequences` ([B, T] -> [B, T / cp]), and the context to run
+    the model in: the written-out ring needs none. With `torch_cp` (--cp-attention torch, CUDA only), PyTorch's own
+    context parallelism over that mesh: it cuts copies of them in place into the same chunks (its load balancer's
+    default), and inside it scaled_dot_product_attention runs torch's ring."""
+    if torch_cp is None:
+        return [ring.shard(s) for s in sequences], nullcontext()
     from torch.distributed.tensor.experimental import context_parallel
 
-    return context_parallel(
-        cp_mesh, buffers=sequences, buffer_seq_dims=[1] * len(sequences), no_restore_buffers=set(sequences)
+    copies = [s.clone() for s in sequences]  # (cut in place: not the batch's views)
+    inside = context_parallel(
+        torch_cp, buffers=copies, buffer_seq_dims=[1] * len(copies), no_restore_buffers=set(copies)
     )
+    return copies, inside
+
+
+def share_of_loss(logits: torch.Tensor, targets: torch.Tensor, *, scored: torch.Tensor, cp: int) -> torch.Tensor:
+    """[CP] This rank's share of its sequences' mean loss, times cp: the cross-entropy summed over its positions
+    (logits [B, T / cp, V], targets [B, T / cp]) over the `scored` positions of the whole sequences. The ranks hold
+    unequal shares of the scored positions (the copy task scores the second half), so each rank's own mean would
+    weigh them wrongly; FSDP averages the gradients over the ranks, hence the cp."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") * cp / scored
 
 
 def train(cfg: Config, env: DistEnv) -> None:
@@ -92,25 +104,15 @@ def train(cfg: Config, env: DistEnv) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     log(f"{type(model).__name__} {cfg.model_size}: {n_params:,} parameters")
     torch.manual_seed(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
-    ring = apply_cp(model.attentions(), mesh["cp"], builtin=cfg.cp_attention == "torch")  # [CP]
-
-    def split(*sequences: torch.Tensor) -> tuple[list[torch.Tensor], AbstractContextManager]:
-        """[CP] This rank's head and tail chunk of each of `sequences`, and the context to run the model in: the
-        written-out ring needs none; torch's cuts them itself (in place: copies, not views of the batch)."""
-        if cfg.cp_attention == "ring":
-            return [ring.shard(s) for s in sequences], nullcontext()
-        copies = [s.clone() for s in sequences]
-        return copies, torch_context_parallel(mesh["cp"], copies)
+    # [CP] The ring of this replica's CP ranks; --cp-attention torch: the same chunks, torch's own ring inside SDPA
+    ring = (BuiltinRing if cfg.cp_attention == "torch" else RingAttention)(mesh["cp"].get_group())
+    apply_cp(model.attentions(), ring)  # [CP]
+    torch_cp = mesh["cp"] if cfg.cp_attention == "torch" else None
 
     # [CP] FSDP over every rank, a unit per block: a replica's CP ranks hold the same parameters, so they shard
     # them too; their gradients, of different tokens, are averaged with the replicas' by the reduce-scatter
-    model = apply_fsdp(
-        model,
-        fsdp_mesh(env.device.type, env.world_size),
-        units=model.blocks(),
-        param_dtype=low_precision(cfg),
-        activation_checkpointing=cfg.activation_checkpointing,
-    )
+    flags = {"param_dtype": low_precision(cfg), "activation_checkpointing": cfg.activation_checkpointing}
+    model = apply_fsdp(model, fsdp_mesh(env.device.type, env.world_size), units=model.blocks(), **flags)
     optimizer = build_optimizer(model.parameters(), cfg)
     scaler = loss_scaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
 
@@ -126,9 +128,9 @@ def train(cfg: Config, env: DistEnv) -> None:
         model.eval()  # (dropout off)
 
         def forward(x: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
-            (x,), inside = split(x)  # [CP] each rank its tokens; the logits put back in order
+            (x,), inside = cut_sequences(ring, [x], torch_cp=torch_cp)  # [CP] each rank its tokens
             with inside:
-                return ring.gather(model(x))
+                return ring.gather(model(x))  # [CP] every rank's logits, in sequence order
 
         # [CP] each replica its shard of the test set; its CP ranks count it alike, which the ratios do not mind
         test = evaluate(forward, data, part=replica, parts=cfg.dp, device=env.device)
@@ -148,15 +150,10 @@ def train(cfg: Config, env: DistEnv) -> None:
         for i, (x, y) in enumerate(zip(tokens.split(chunk_size), targets.split(chunk_size))):
             model.set_requires_gradient_sync(i == cfg.grad_accum_steps - 1)  # the reduce-scatter once, at the last
             scored = (y != IGNORE).sum()  # the scored positions of the whole sequences, on every CP rank alike
-            (x, y), inside = split(x, y)  # [CP] this rank's head and tail chunk of every sequence
+            (x, y), inside = cut_sequences(ring, [x, y], torch_cp=torch_cp)  # [CP] this rank's 2 chunks of each
             with inside:
                 with recorder.span("forward"):  # [CP] the ring's sends show inside it
-                    logits = model(x)
-                    # [CP] this rank's positions' loss summed over the whole sequences' scored count, times cp:
-                    # FSDP averages over the ranks, which makes it the sequences' mean loss (the ranks' shares
-                    # of the scored positions differ), divided by the accumulation steps
-                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
-                    loss = loss * cp / scored / cfg.grad_accum_steps
+                    loss = share_of_loss(model(x), y, scored=scored, cp=cp) / cfg.grad_accum_steps  # [CP]
                 with recorder.span("backward"):  # [CP] the keys and values go round again, with their gradients
                     scaler.scale(loss).backward()
             loss_sum += loss.detach()
@@ -172,9 +169,8 @@ def train(cfg: Config, env: DistEnv) -> None:
             return  # stopped by a preemption signal, with this step's checkpoint
 
     run_eval(steps)
-    recorder.finish(
-        mesh={"dp": cfg.dp, "cp": cp}, cp={"attention": cfg.cp_attention, "tokens_per_rank": cfg.seq_len // cp}
-    )
+    cp_section = {"attention": cfg.cp_attention, "tokens_per_rank": cfg.seq_len // cp}
+    recorder.finish(mesh={"dp": cfg.dp, "cp": cp}, cp=cp_section)
 
 
 if __name__ == "__main__":

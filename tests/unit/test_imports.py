@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ("train_ddp.py", "train_fsdp.py", "train_pippy.py", "train_tp.py")
+SCRIPTS = ("train_ddp.py", "train_fsdp.py", "train_pippy.py", "train_tp.py", "train_cp.py")
 # The packages no training process imports: the runners' side, the tools, the planner and the benchmark
 NOT_WORKER = ("runner", "tools", "planner", "bench")
 # Lines of common/ behind train_ddp.py (nanoGPT's train.py needs ~380, the FSDP2 example ~370). 1,500 is the aim.
@@ -29,6 +29,7 @@ WRAPS = {
     "train_fsdp.py": ("fsdp_mesh", "apply_fsdp"),
     "train_tp.py": ("ReplicateParallel", "apply_tp"),
     "train_pippy.py": ("apply_pipeline", "make_schedule"),
+    "train_cp.py": ("apply_cp", "cut_sequences"),
 }
 
 
