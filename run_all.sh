@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run a 1-process reference and the four strategies with the same flags, then compare them:
+# Run a 1-process reference and the four strategies (BabyGPT: five, with CP) with the same flags, then compare them:
 #   bash run_all.sh                          # defaults: runs/compare/{ref,ddp,fsdp,pippy,tp} + compare.png
 #   bash run_all.sh --dropout 0 --max-steps 100
 #   OUT=runs/bf16 bash run_all.sh --precision bf16
@@ -27,10 +27,13 @@ strategies=(ddp fsdp pippy tp)
 read -r ref_device has_tp < <("$PYTHON" -c 'import sys, torch; from common.versions import NEEDS_TP, older_than
 gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
 print("auto" if gpus >= int(sys.argv[1]) else "cpu", int(not older_than(NEEDS_TP)))' "$NPROC")
-pipeline_dp=$("$PYTHON" -m runner.layout "$NPROC" "$@")  # (no torch: the flags' layout alone)
+read -r pipeline_dp model < <("$PYTHON" -m runner.layout "$NPROC" "$@")  # (no torch: the flags alone)
 if (( ! has_tp )); then
   strategies=(ddp fsdp pippy)
   echo "== tp left out: this torch is older than tensor parallelism needs (docs/versions.md)"
+fi
+if [[ $model == gpt ]]; then
+  strategies+=(cp)  # a language model: its sequences split over the ranks too (context parallelism)
 fi
 
 echo "== 1-process reference -> $OUT/ref"

@@ -43,14 +43,18 @@ def pipeline_replicas(cfg: Config, nproc: int) -> int:
 
 
 if __name__ == "__main__":  # run_all.sh: `python -m runner.layout NPROC FLAGS...` prints the pipeline's --dp
-    import sys
+    import sys  # and the model (BabyGPT's runs add context parallelism)
 
     from common.cli import parse_config
 
-    dp = 1  # with a --dp of yours, or flags run_pippy.sh refuses (it says so in one line)
+    dp, model = 1, "cnn"  # with a --dp of yours, or flags run_pippy.sh refuses (it says so in one line)
     if not any(flag == "--dp" or flag.startswith("--dp=") for flag in sys.argv[2:]):
         try:
             dp = pipeline_replicas(parse_config("pippy", sys.argv[2:]), int(sys.argv[1]))
         except (ConfigError, SystemExit, ValueError):
             pass
-    print(dp)
+    try:
+        model = parse_config("ddp", sys.argv[2:]).model
+    except (ConfigError, SystemExit):
+        pass
+    print(dp, model)

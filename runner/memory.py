@@ -39,7 +39,7 @@ def planned_peak_bytes(cfg: Config, world_size: int) -> int:
     its largest unit gathered whole (parameters and gradients; grad-op keeps every unit's parameters gathered;
     FSDP x TP gathers a TP rank's part of the model);
     a pipeline rank holds its stages, with as many micro-batches in flight as the ranks after it; and every rank
-    the activations of its share of the batch."""
+    the activations of its share of the batch (CP: of 1/cp of its replica's sequences, its parameters FSDP's)."""
     model = model_layers(cfg)
     names = [layer.name for layer in model]
     params = sum(layer.params for layer in model)
@@ -64,7 +64,7 @@ def planned_peak_bytes(cfg: Config, world_size: int) -> int:
         kept_by_layer |= {f"block{i}": int(whole + split / tp) for i in range(shape.depth)}
         kept_by_layer["head"] = int(kept_by_layer["head"] - t * gpt_vocab(cfg.model_size, cfg.dataset) * (1 - 1 / tp))
     per_sample = 4 * sum(kept_by_layer.values())  # fp32 activations kept for backward
-    if cfg.model in ("vit", "gpt") and cfg.strategy == "fsdp" and cfg.activation_checkpointing:
+    if cfg.model in ("vit", "gpt") and cfg.strategy in ("fsdp", "cp") and cfg.activation_checkpointing:
         # each block keeps its input (tokens x width, the embedding's output); one block's activations at a time
         kept = sum(model[0].outputs for layer in model if layer.name.startswith("block"))
         per_sample = 4 * (kept + max(layer.outputs for layer in model))
@@ -87,6 +87,8 @@ def planned_peak_bytes(cfg: Config, world_size: int) -> int:
             most = max(most, held)
         return most
     batch = cfg.chunk_size(world_size) * per_sample
+    if cfg.strategy == "cp":  # FSDP's share over every rank (below), and each rank 1/cp of every sequence's activations
+        batch //= world_size // cfg.dp
     if cfg.strategy == "tp":  # a TP rank holds 1/tp of the split parameters and all others; --dp shards that
         units = tp_fsdp_units(cfg.model_size, world_size // cfg.dp, cfg.dataset, cfg.model)
         local = int(sum(units))
@@ -166,7 +168,9 @@ def check_memory(cfg: Config, *, nproc: int, world_size: int, on_cpu: bool) -> N
         )
     instead = _what_fits(cfg, nproc=nproc, world_size=world_size, on_cpu=on_cpu, have=have, runtime=runtime)
     each = f"{nproc} processes x ~{gb(need_mib)}" if on_cpu else f"~{gb(need_mib)} per GPU"
-    strategy = {"ddp": "DDP", "fsdp": f"FSDP {cfg.sharding}", "pippy": "the pipeline", "tp": "TP"}[cfg.strategy]
+    strategy = {"ddp": "DDP", "fsdp": f"FSDP {cfg.sharding}", "pippy": "the pipeline", "tp": "TP", "cp": "CP"}[
+        cfg.strategy
+    ]
     raise ConfigError(
         f"--model-size {cfg.model_size}: {strategy} on {world_size} ranks needs {each} (its training state and the "
         f"peak of a step, as python -m planner plans it, and the runtime) but {gb(have)} {where}; {instead}"

@@ -72,7 +72,7 @@ class Run:
             parts.append(c.get("sharding", ""))
         if strategy == "pippy":
             parts.append(f"{c.get('schedule')} m={c.get('n_microbatches')}")
-        if strategy in ("pippy", "tp") and c.get("dp", 1) > 1:
+        if strategy in ("pippy", "tp", "cp") and c.get("dp", 1) > 1:
             parts.append(f"dp={c['dp']}")
         if c.get("grad_accum_steps", 1) > 1:
             parts.append(f"accum={c['grad_accum_steps']}")

@@ -16,12 +16,12 @@ from runner.memory import check_memory, planned_peak_bytes
 from tests.helpers import env_for_tests, markdown_rows, read_metrics, read_run, run_command
 from tests.integration.early import Command
 
-RUNS = ("ref", "ddp", "fsdp", "pippy", *(() if older_than(NEEDS_TP) else ("tp",)))
+RUNS = ("ref", "ddp", "fsdp", "pippy", *(() if older_than(NEEDS_TP) else ("tp",)), "cp")  # (BabyGPT: CP too)
 STEPS, SEQ_LEN, BATCH = 6, 32, 16
 TINY = ["--model", "gpt", "--seq-len", str(SEQ_LEN), "--train-size", "512", "--test-size", "64"]
 TINY += ["--batch-size", str(BATCH), "--dropout", "0", "--lr", "1e-4", "--max-steps", str(STEPS)]
 
-# started with the session (tests/integration/early.py): the reference and the four strategies on 2 processes
+# started with the session (tests/integration/early.py): the reference and the five strategies on 2 processes
 STARTED = {"run_all": Command(["bash", "run_all.sh", *TINY], {"NPROC": "2", "OUT": "{out}"})}
 
 
