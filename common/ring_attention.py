@@ -139,7 +139,8 @@ def _backward_block(
     block's softmax is its share of the row's, and the blocks' gradients add up to the whole attention's."""
     q, k, v, out, dout, lse = (t.contiguous() for t in (q, k, v, out, dout, lse))
     if q.device.type == "cuda":
-        padded = lse.new_zeros(*lse.shape[:-1], -(-lse.shape[-1] // 32) * 32)  # the kernel's layout, 32 rows a tile
+        rows = lse.shape[-1] if torch.version.hip else -(-lse.shape[-1] // 32) * 32  # the kernel's: 32 rows a tile
+        padded = lse.new_zeros(*lse.shape[:-1], rows)
         padded[..., : lse.shape[-1]] = lse
         seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: no random state to replay
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
