@@ -171,7 +171,7 @@ class Config:
     """Pipeline, TP and CP: number of data-parallel replicas (world size = dp x pipeline, TP or CP ranks); TP
     shards its replicas with FSDP (FSDP x TP); CP shards over every rank."""
     tp: int = 1
-    """Pipeline, --model vit: TP ranks splitting each stage's blocks (world size = dp x pipeline x TP ranks)."""
+    """Pipeline: TP ranks splitting each stage's blocks (world size = dp x pipeline x TP ranks); CP: refused."""
     sequence_parallel: bool = False
     """TP, --model vit: LayerNorms and residual stream on a share of the tokens per TP rank (docs/tp.md)."""
     cp_attention: str = "ring"
@@ -272,7 +272,7 @@ class Config:
         if self.strategy == "cp":
             from common.cp_checks import check_cp  # train_cp.py's own: its model, --seq-len, --compile
 
-            flags = {name: getattr(self, name) for name in ("seq_len", "compile", "cp_attention", "dp")}
+            flags = {name: getattr(self, name) for name in ("seq_len", "compile", "cp_attention", "dp", "tp")}
             check_cp(self.model, **flags, device=device_type or self.device, world_size=world_size)
         return self
 
@@ -368,7 +368,8 @@ STRATEGY_FLAGS = {
     "allreduce": ("ddp",),
     **dict.fromkeys(("sharding", "shard_units", "cpu_offload"), ("fsdp",)),
     "activation_checkpointing": ("fsdp", "cp"),
-    **dict.fromkeys(("schedule", "n_microbatches", "stages_per_rank", "tp"), ("pippy",)),
+    **dict.fromkeys(("schedule", "n_microbatches", "stages_per_rank"), ("pippy",)),
+    "tp": ("pippy", "cp"),  # (CP: to refuse it in one line, saying why)
     "dp": ("pippy", "tp", "cp"),
     "sequence_parallel": ("tp",),
     "cp_attention": ("cp",),

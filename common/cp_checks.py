@@ -7,7 +7,7 @@ from common.errors import ConfigError
 
 
 def check_cp(
-    model: str, *, seq_len: int, compile: bool, cp_attention: str, device: str, dp: int, world_size: int | None
+    model: str, *, seq_len: int, compile: bool, cp_attention: str, device: str, dp: int, tp: int, world_size: int | None
 ) -> None:
     """ConfigError unless these flags can run as CP: BabyGPT (causal attention over tokens), no --compile,
     --cp-attention torch only on CUDA (`device`: cpu or cuda where known, else --device), and with `world_size`, a
@@ -22,6 +22,11 @@ def check_cp(
         raise ConfigError(
             f"--model: context parallelism splits a sequence's tokens and runs causal attention as a "
             f"ring; {why}: use --model gpt (train_cp.py's default)"
+        )
+    if tp > 1:
+        raise ConfigError(
+            "--tp: train_cp.py composes CP with FSDP only; CP x TP (torchtitan's 4-D mesh) is sound but not built "
+            "here: for TP use train_tp.py, or train_pippy.py --tp"
         )
     if compile:
         raise ConfigError(
