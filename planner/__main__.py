@@ -6,6 +6,8 @@
     python -m planner --model vit --model-size b16 --world-sizes 8,64 --profile h100-sxm   # + time per step
     python -m planner --model gpt --model-size llama3-8b --world-sizes 8,64 --profile h100-sxm --precision bf16
     python -m planner --model gpt --published --profile h100-sxm   # beside published Llama 3 trainings
+    python -m planner --model gpt --model-size llama3-8b --world-sizes 8 --variants "fsdp full, a unit per block;cp 8" \
+        --device-memory 80GiB --longest-sequence                 # the longest sequence each fits
 
 Every figure comes from running the scripts' own wrap and one training step of it, in one process (--jobs of
 them at once, the cores by default: planner/jobs.py), on a fake process group of the world size and fake tensors
@@ -33,6 +35,7 @@ from common.vit_sizes import VIT_SIZES
 from planner.jobs import default_workers
 from planner.plan import (
     ALL_VARIANTS,
+    CP_VARIANTS,
     DEFAULT_VARIANTS,
     GPT_VARIANTS,
     VIT_VARIANTS,
@@ -41,7 +44,16 @@ from planner.plan import (
     variant_config,
     why_not,
 )
-from planner.report import PUBLISHED, draw, fitting, plan_published, published_table, table, time_table
+from planner.report import (
+    PUBLISHED,
+    draw,
+    fitting,
+    longest,
+    plan_published,
+    published_table,
+    table,
+    time_table,
+)
 from runner.entry import fail, require_torch
 
 UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
@@ -64,12 +76,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gpt's published shapes (gpt2-124m, llama3-8b, llama3-70b, llama3-405b) at their context",
     )
     parser.add_argument("--world-sizes", default="1,4,64,1024", help="comma-separated numbers of ranks")
-    parser.add_argument("--all", action="store_true", help="every FSDP mode and the GPipe schedule too")
+    parser.add_argument(
+        "--all", action="store_true", help="every FSDP mode and the GPipe schedule too; gpt: context parallelism too"
+    )
     parser.add_argument(
         "--per-rank-batch",
         type=int,
         help="samples (gpt: sequences) per rank per step: the global batch over the ranks (default 32, the suite's; "
-        "gpt's published shapes 1 sequence of --seq-len)",
+        "gpt's published shapes 1 sequence of --seq-len; CP: sequences per replica, each rank 1/cp of them)",
     )
     parser.add_argument(
         "--seq-len",
@@ -85,6 +99,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="gpt: plan published trainings of Llama 3 as they ran (their shape, mesh, batch, sequence) and set the "
         "plans beside what they measured, with the planner's error (needs --profile): all of them, or those named "
         f"({', '.join(p.name for p in PUBLISHED)}, ','-separated)",
+    )
+    parser.add_argument(
+        "--longest-sequence",
+        nargs="?",
+        type=int,
+        const=1024,
+        help="gpt, with --device-memory: the longest --seq-len each plan's variant fits at its batch, in multiples "
+        "of this many tokens (default 1,024) and of what the variant needs (CP: 2 x cp), each planned on both sides",
     )
     parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     parser.add_argument("--device-memory", help="memory of one device (80GiB): which plans fit, the largest batch")
@@ -108,6 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         fail(f"--model-size: unknown {args.model} size {args.model_size!r}; choose one of {', '.join(sizes)}")
     if args.model != "gpt" and (args.seq_len or args.published):
         fail(f"{'--seq-len' if args.seq_len else '--published'}: a flag of --model gpt, not of {args.model}")
+    if args.longest_sequence is not None and (args.model != "gpt" or not args.device_memory):
+        fail("--longest-sequence: a question of --model gpt against a --device-memory; give both")
+    if args.longest_sequence is not None and args.longest_sequence < 1:
+        fail(f"--longest-sequence: expected a number of tokens, 1 or more, got {args.longest_sequence}")
     if args.published and not args.profile:
         fail("--published: the published trainings are compared by their time; give --profile h100-sxm")
     published = args.model == "gpt" and GPT_SIZES[args.model_size].vocab  # a published shape: its own vocabulary
@@ -147,11 +173,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(published_table(items, found, profile.name))
         print(f"({sum(map(len, found))} plans in {time.perf_counter() - started:.0f} s)")
         return 0
-    variants = {"vit": VIT_VARIANTS, "gpt": GPT_VARIANTS}.get(args.model)
+    variants = {"vit": VIT_VARIANTS, "gpt": GPT_VARIANTS + (CP_VARIANTS if args.all else ())}.get(args.model)
     variants = variants or (ALL_VARIANTS if args.all else DEFAULT_VARIANTS)
+    known = variants + (CP_VARIANTS if args.model == "gpt" else ())  # (CP's: planned when named, or with --all)
     if args.variants:
-        if unknown := [v for v in args.variants.split(";") if v.strip() not in variants]:
-            name, known = unknown[0].strip(), "; ".join(variants)
+        if unknown := [v for v in args.variants.split(";") if v.strip() not in known]:
+            name, known = unknown[0].strip(), "; ".join(dict.fromkeys(known))
             fail(f"--variants: no variant {name!r} for --model {args.model}; choose from {known} (';' between them)")
         variants = tuple(v.strip() for v in args.variants.split(";"))
     wanted = [
@@ -184,10 +211,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(time_table(plans, f"{profile.name}, {args.precision}"))
     if memory:
         print(fitting(plans, memory, per_rank_batch=per_rank_batch))
+    found = []
+    if args.longest_sequence:
+        said, found = longest(plans, memory, per_rank_batch=per_rank_batch, granule=args.longest_sequence)
+        print(said)
     print(f"({len(plans)} plans in {time.perf_counter() - started:.0f} s)")
     if args.json:
+        written = [p.to_json() for p in plans]
+        for plan, longest_one in zip(written, found):  # (only with --longest-sequence)
+            plan["longest_sequence"] = longest_one
         with open(args.json, "w") as f:
-            json.dump([p.to_json() for p in plans], f, indent=1)
+            json.dump(written, f, indent=1)
     if args.out:
         draw(plans, args.out, memory=memory)
         print(f"figure: {args.out}")

@@ -127,7 +127,8 @@ def plan_rank(cfg: Config, world_size: int, rank: int, *, count: bool = False) -
     _fake_world(world_size, rank)
     env = DistEnv(rank, 0, world_size, 1, torch.device("cpu"), "fake")
     cfg = replace(cfg, compile=False, grad_accum_steps=1)
-    step = {"ddp": _ddp_step, "fsdp": _fsdp_step, "pippy": _pipeline_step, "tp": _tp_step}[cfg.strategy]
+    step = {"ddp": _ddp_step, "fsdp": _fsdp_step, "pippy": _pipeline_step, "tp": _tp_step, "cp": _cp_step}
+    step = step[cfg.strategy]
     counter = (lambda model: StepCounter(model)) if count else (lambda model: _NotCounted())
     try:
         with shortcuts():
@@ -239,6 +240,44 @@ def _fsdp_step(cfg: Config, env: DistEnv, fake_mode: Any, counter: Any) -> RankM
             optimizer.zero_grad(set_to_none=True)
             images, labels = _batch(cfg, cfg.chunk_size(env.world_size))
             loss_fn(model(images), labels).backward()
+            with counted.phase("optimizer"):
+                optimizer.step()
+        _once_a_step(counted, list(model.parameters()), cfg)
+        memory = measure_memory(model.parameters(), optimizer, env.device)
+    return _result(env.rank, memory, tracker, {}, count=counted.count)
+
+
+def _cp_step(cfg: Config, env: DistEnv, fake_mode: Any, counter: Any) -> RankMemory:
+    """train_cp.py's wrap and step: the ring over "cp" (its sends and receives on the fake group, which moves
+    nothing: this rank's shapes and memory as a run's), FSDP over every rank; this rank's head and tail chunk of
+    each of its replica's sequences, its positions' loss as the script scales it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from common.language import IGNORE
+    from common.ring_attention import RingAttention
+    from common.training import low_precision
+    from train_cp import apply_cp, share_of_loss
+    from train_fsdp import apply_fsdp, fsdp_mesh
+
+    cp = env.world_size // cfg.dp
+    # outside the fake mode: making a mesh communicates
+    mesh = init_device_mesh("cpu", (cfg.dp, cp), mesh_dim_names=("dp", "cp"))
+    every = fsdp_mesh("cpu", env.world_size)
+    ring = RingAttention(mesh["cp"].get_group())
+    with fake_mode():
+        model = _model(cfg)
+        apply_cp(model.attentions(), ring)
+        flags = {"param_dtype": low_precision(cfg), "activation_checkpointing": cfg.activation_checkpointing}
+        model = apply_fsdp(model, every, units=model.blocks(), **flags)
+        optimizer = build_optimizer(model.parameters(), cfg)
+        _warm(list(model.parameters()), optimizer)
+        tracker = PeakBytes(state_tensors(model.parameters(), optimizer))
+        with tracker, counter(model) as counted:
+            optimizer.zero_grad(set_to_none=True)
+            tokens, targets = _batch(cfg, cfg.chunk_size(env.world_size))  # the replica's sequences, whole
+            scored = (targets != IGNORE).sum()
+            x, y = ring.shard(tokens), ring.shard(targets)  # this rank's head and tail chunk of each
+            share_of_loss(model(x), y, scored=scored, cp=cp).backward()  # (no autocast: FSDP's param_dtype)
             with counted.phase("optimizer"):
                 optimizer.step()
         _once_a_step(counted, list(model.parameters()), cfg)

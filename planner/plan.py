@@ -31,6 +31,10 @@ VIT_VARIANTS = (
     *("fsdp x tp", "fsdp x tp, sequence parallel", "fsdp x pp x tp"),
 )
 GPT_VARIANTS = VIT_VARIANTS  # BabyGPT's: the same, its blocks the units, the stages' cuts and what TP splits
+# Context parallelism (train_cp.py: the ring over cp ranks, FSDP over every rank, world / cp replicas), BabyGPT's only:
+# planned when named (--variants) or with --all. Its --per-rank-batch is sequences per replica, each rank 1/cp of them
+CP_DEGREES = (2, 4, 8, 16, 32, 64)
+CP_VARIANTS = tuple(f"cp {c}{ckpt}" for c in CP_DEGREES for ckpt in ("", ", checkpointed"))
 
 
 @dataclass
@@ -52,7 +56,8 @@ class Plan:
 
     @property
     def per_rank_batch(self) -> int:
-        return self.batch_size // self.world_size
+        """Sequences (samples) per rank; CP's per replica, each of its ranks 1/cp of every one."""
+        return self.batch_size // (self.flags["dp"] if self.flags.get("strategy") == "cp" else self.world_size)
 
     @property
     def worst(self) -> RankMemory:
@@ -89,6 +94,18 @@ def variant_config(variant: str, base: Config, world_size: int) -> Config | None
             if pp > 1 and (world_size // t) % pp == 0 and would_start(cfg, world_size, planned=True):
                 return cfg
         return None
+    if variant.startswith("cp "):  # cp ranks a ring, world / cp replicas of it, FSDP over all (train_cp.py)
+        cp = int(variant.split(",")[0].split()[1])
+        if world_size % cp or base.batch_size % cp:
+            return None
+        cfg = replace(
+            base,
+            strategy="cp",
+            dp=world_size // cp,
+            batch_size=base.batch_size // cp,  # (the replicas' sequences: the per-rank batch is a replica's)
+            activation_checkpointing=variant.endswith("checkpointed"),
+        )
+        return cfg if would_start(cfg, world_size, planned=True) else None
     name, _, units = variant.partition(", ")
     strategy, _, mode = name.partition(" ")
     units, _, checkpointed = units.partition(", ")
@@ -153,7 +170,7 @@ def unit_bytes(cfg: Config, world_size: int) -> int:
     if cfg.strategy == "tp":  # FSDP x TP: a TP rank's part of its largest unit, gathered over the replicas
         units = tp_fsdp_units(cfg.model_size, world_size // cfg.dp, cfg.dataset, cfg.model)
         return 2 * 4 * int(max(units)) if cfg.dp > 1 else 0
-    if cfg.strategy != "fsdp" or cfg.sharding == "none":
+    if cfg.strategy not in ("fsdp", "cp") or cfg.sharding == "none":  # (CP: FSDP's unit per block, every rank)
         return 0
     if cfg.shard_units == "model":
         largest = sum(params.values())
@@ -168,6 +185,11 @@ def why_not(variant: str, base: Config, world_size: int) -> str:
 
     name, _, mode = variant.partition(",")[0].partition(" ")
     strategy = {"pipeline": "pippy", "fsdp": "tp" if variant.startswith("fsdp x") else "fsdp"}.get(name, name)
+    if strategy == "cp":  # cp ranks of a ring, the replicas around them
+        cp = int(mode)
+        if world_size % cp:
+            return f"{cp} CP ranks do not divide the world size {world_size}"
+        base = replace(base, dp=world_size // cp, batch_size=max(base.batch_size // cp, 1))
     cfg = replace(base, strategy=strategy, schedule=mode if strategy == "pippy" else base.schedule)
     try:
         replace(cfg).check(world_size=world_size)

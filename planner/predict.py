@@ -397,3 +397,27 @@ def model_flops_per_step(cfg: Config) -> float:
     """The model's training FLOPs of one optimizer step over the global batch (MFU's numerator): every layer's
     forward and backward (twice forward; attention's scores not recomputed), whatever the strategy."""
     return cfg.batch_size * sum(f + b for f, b in layer_flops(cfg, kernels=False).values())
+
+
+def ring_traffic(cfg: Config, world_size: int) -> dict[str, dict[str, int]]:
+    """What context parallelism's ring (common/ring_attention.py) sends per step on each rank, by the model's sizes:
+    {phase: {"kv_sends", "kv_bytes", "dkv_sends", "dkv_bytes"}}, each send's bytes. A key/value message is
+    [2, B, kv heads, seq_len / cp, head width] in the dtype the layers compute in (FSDP's param_dtype; unrepeated
+    grouped heads); per attention layer and micro-batch forward sends it cp - 1 times, backward cp - 1 times again
+    and the fp32 gradient accumulator of its shape cp times (its last send brings it home); with activation
+    checkpointing backward runs forward's again first."""
+    from common.gpt_sizes import gpt_heads
+
+    cp = world_size // cfg.dp
+    shape = GPT_SIZES[cfg.model_size]
+    heads, kv_heads = gpt_heads(cfg.model_size, cfg.heads, cfg.kv_heads)
+    elements = 2 * cfg.chunk_size(world_size) * kv_heads * (cfg.seq_len // cp) * (shape.width // heads)
+    layers = shape.depth * cfg.grad_accum_steps  # an attention a block, each micro-batch
+    again = 2 if cfg.activation_checkpointing else 1
+    kv = {"kv_bytes": elements * _itemsize(cfg), "dkv_bytes": elements * 4}
+    if cp == 1:
+        return {phase: {**kv, "kv_sends": 0, "dkv_sends": 0} for phase in ("forward", "backward")}
+    return {
+        "forward": {**kv, "kv_sends": layers * (cp - 1), "dkv_sends": 0},
+        "backward": {**kv, "kv_sends": layers * (cp - 1) * again, "dkv_sends": layers * cp},
+    }

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from common.config import Config
 from common.model_sizes import parameter_count
@@ -118,7 +119,11 @@ def fitting(plans: list[Plan], memory: int, *, per_rank_batch: int) -> str:
     """For every plan: the largest per-rank batch whose planned peak fits `memory`, found by planning, not by
     extrapolating (a step's peak is not a straight line in the batch): a batch planned and seen to fit, and the
     next one the variant can run planned and seen not to."""
-    lines = [f"\nThe largest per-rank batch that fits {size(memory)} (each planned, and the next one up):", ""]
+    replicas = " (CP: per replica)" if any(p.flags.get("strategy") == "cp" for p in plans) else ""
+    lines = [
+        f"\nThe largest per-rank batch{replicas} that fits {size(memory)} (each planned, and the next one up):",
+        "",
+    ]
     for p in plans:
         print(f"searching the largest batch of {p.variant} on {p.world_size} ranks", file=sys.stderr, flush=True)
         found = largest_batch(p, memory, start=per_rank_batch)
@@ -162,16 +167,30 @@ def largest_batch(p: Plan, memory: int, *, start: int) -> Largest | None:
             peaks[k] = max(r.peak_bytes + r.in_flight_bytes for r in _planned(cfg, p.world_size))
         return peaks[k]
 
-    k = max(1, start // step)
+    fits, over = _bracket(peak, memory, max(1, start // step))
+    if fits == 0:
+        return Largest(0, step, 0, peak(1))
+    return Largest(fits * step, over * step, peak(fits), peak(over))
+
+
+def _bracket(peak: Callable[[int], int], memory: int, k: int, *, top: int = 0) -> tuple[int, int]:
+    """(the largest multiple whose `peak` fits `memory`, the next one up, which does not), from `k`: bracket by
+    doubling or halving, then narrow by the line through the bracket's ends, halving where the line stalls. (0, 1):
+    none fits; (top, 0): `top` (when given) fits, nothing above it was looked at."""
     if peak(k) <= memory:
-        while peak(2 * k) <= memory:
-            k *= 2
-        fits, over = k, 2 * k
+        while True:
+            up = min(2 * k, top) if top else 2 * k
+            if up == k:
+                return k, 0
+            if peak(up) > memory:
+                break
+            k = up
+        fits, over = k, up
     else:
         while k > 1 and peak(k // 2) > memory:
             k //= 2
         if k == 1:
-            return Largest(0, step, 0, peak(1))
+            return 0, 1
         fits, over = k // 2, k
     while over - fits > 1:
         width = over - fits
@@ -183,7 +202,91 @@ def largest_batch(p: Plan, memory: int, *, start: int) -> Largest | None:
         if over - fits > width // 2:  # the line did not halve the bracket: halve it
             mid = (fits + over) // 2
             fits, over = (mid, over) if peak(mid) <= memory else (fits, mid)
-    return Largest(fits * step, over * step, peak(fits), peak(over))
+    return fits, over
+
+
+# The longest sequence is searched past a shape's published context (its rotary positions are computed for any
+# position: what a context extension such as Llama 3.1's to 128 k would hold), up to this many tokens
+LONGEST_SEARCHED = 2**24
+
+
+def sequence_step(p: Plan, granule: int) -> int:
+    """The lengths the longest-sequence search tries are multiples of this: `granule`, 2 x cp (CP's head and tail
+    chunk per rank), TP's degree with sequence parallel (tokens split over "tp"), 2 (the built-in copy task)."""
+    world, flags = p.world_size, p.flags
+    needs = [granule, 2]
+    if flags.get("strategy") == "cp":
+        needs.append(2 * (world // flags["dp"]))
+    if flags.get("sequence_parallel"):
+        needs.append(flags.get("tp", 1) if flags.get("strategy") == "pippy" else world // flags["dp"])
+    return math.lcm(*needs)
+
+
+class Longest(NamedTuple):
+    fits: int  # the longest --seq-len planned to fit (0: none does)
+    over: int  # the next one the search tried above it, planned not to (0: none above LONGEST_SEARCHED tried)
+    fits_bytes: int
+    over_bytes: int
+    step: int  # the multiples searched (sequence_step)
+
+
+def longest_sequence(p: Plan, memory: int, *, per_rank_batch: int, granule: int = 1024) -> Longest | None:
+    """The longest --seq-len (a multiple of sequence_step) whose worst rank's planned peak fits `memory`, `p`'s
+    variant, world and --per-rank-batch (CP: sequences per replica) as they are: found as largest_batch finds the
+    batch, by plans on both sides (that length fits, the next multiple does not). None: no length the variant runs."""
+    from unittest import mock
+
+    from common.gpt_sizes import GPT_SIZES
+
+    step = sequence_step(p, granule)
+    base = Config(model=p.model, model_size=p.model_size, optimizer=p.optimizer, precision=p.flags["precision"])
+    base = replace(base, batch_size=per_rank_batch * p.world_size)
+    lifted = {p.model_size: GPT_SIZES[p.model_size]._replace(context=LONGEST_SEARCHED)}
+
+    def config(seq_len: int) -> Config | None:
+        cfg = variant_config(p.variant, replace(base, seq_len=seq_len), p.world_size)
+        return cfg if cfg is not None and would_start(cfg, p.world_size, planned=True) else None
+
+    peaks: dict[int, int] = {}
+
+    def peak(k: int) -> int:  # the worst rank's bytes at k * step tokens, planned once
+        if k not in peaks:
+            cfg = config(k * step)
+            peaks[k] = max(r.peak_bytes + r.in_flight_bytes for r in _planned(cfg, p.world_size))
+        return peaks[k]
+
+    with mock.patch.dict(GPT_SIZES, lifted):
+        if config(step) is None:
+            return None
+        fits, over = _bracket(peak, memory, max(1, p.flags["seq_len"] // step), top=LONGEST_SEARCHED // step)
+        if fits == 0:
+            return Longest(0, step, 0, peak(1), step)
+        return Longest(fits * step, over * step, peak(fits), peak(over) if over else 0, step)
+
+
+def longest(plans: list[Plan], memory: int, *, per_rank_batch: int, granule: int = 1024) -> tuple[str, list]:
+    """The text and, per plan, the JSON of longest_sequence."""
+    lines = [
+        f"\nThe longest sequence that fits {size(memory)} at {per_rank_batch} sequence(s) per rank (CP: per "
+        f"replica), in multiples of {granule:,} tokens and what the variant needs (each planned, and the next one up):",
+        "",
+    ]
+    found = []
+    for p in plans:
+        print(f"searching the longest sequence of {p.variant} on {p.world_size} ranks", file=sys.stderr, flush=True)
+        got = longest_sequence(p, memory, per_rank_batch=per_rank_batch, granule=granule)
+        if got is None:
+            answer = "no --seq-len this variant can run"
+        elif got.fits == 0:
+            answer = f"none: {size(got.over_bytes)} at {got.over:,} tokens"
+        elif got.over == 0:
+            answer = f"{got.fits:,} tokens or more ({size(got.fits_bytes)}; the search's end)"
+        else:
+            over = size(got.over_bytes - memory)
+            answer = f"{got.fits:,} tokens ({size(got.fits_bytes)}; {got.over:,} is over by {over})"
+        lines.append(f"- {p.variant} on {p.world_size}: {answer}")
+        found.append(got._asdict() if got else None)
+    return "\n".join(lines), found
 
 
 def _planned(cfg: Config, world_size: int) -> list[RankMemory]:

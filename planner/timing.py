@@ -352,7 +352,13 @@ def _share(profile: Profile, procs_per_node: int, threads: int) -> float:
 
 
 def rank_time(
-    count: StepCount, profile: Profile, *, procs_per_node: int, rank: int = 0, ops: dict[tuple, Op] | None = None
+    count: StepCount,
+    profile: Profile,
+    *,
+    procs_per_node: int,
+    rank: int = 0,
+    ops: dict[tuple, Op] | None = None,
+    ring: dict[str, Any] | None = None,
 ) -> RankTime:
     """The step of one rank (a pipeline rank: its work outside its actions; `ops`: the count whose operators its
     collectives' `before` names, if not this one's). What overlaps: on a machine whose collectives run beside
@@ -378,15 +384,51 @@ def rank_time(
     beside = {phase: 0.0 for phase in compute}
     chunks = {phase: 0 for phase in compute}
     for c in count.collectives:
+        if ring and c.kind in ("send", "recv"):  # the ring's: by ring_time below
+            continue
         seconds = profile.collective_time(c, _compute_before(c, count.ops if ops is None else ops, compute_at, share))
         comm[c.phase] += seconds
         if profile.overlap and not c.functional and c.phase != "optimizer" and c.kind not in ("send", "recv"):
             beside[c.phase] += seconds
             chunks[c.phase] += 1
     total = {p: _phase_time(compute[p], beside[p], comm[p] - beside[p], chunks[p]) for p in compute}
+    if ring:
+        attention = {p: 0.0 for p in compute}
+        for op in (op for op in count.ops.values() if "scaled_dot_product" in op.name):
+            attention[op.phase] += op.calls * sum(compute_at.op_parts(op)) * share
+        for phase, (seconds, hidden) in ring_time(ring, profile, attention).items():
+            comm[phase] += seconds
+            total[phase] += seconds - hidden
     exposed = {p: total[p] - compute[p] for p in compute}
     sharing = sum(compute.values()) * (1 - 1 / share)
     return RankTime(rank, compute, comm, exposed, sum(total.values()), 0.0, overhead, sharing)
+
+
+def ring_time(ring: dict[str, Any], profile: Profile, attention: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """{phase: (seconds, of them hidden)} of context parallelism's ring (`ring`: planner/predict.ring_traffic's
+    sends and their bytes, and "cp"), each send over the ring's slowest link (the network once the ring leaves a
+    node). What hides: on a GPU (the sends on their own stream) a key/value chunk travels while the chunk before it
+    is computed (common/ring_attention.py starts it first), so the kv sends hide behind cp - 1 of the cp blocks of
+    each attention (`attention`: its kernels' seconds by phase), the rest of the step's compute not; the gradient
+    accumulator's sends are waited for at once, exposed. The link is the ring's alone (not shared with FSDP's
+    collectives, which overlap as rank_time says). On a CPU nothing hides."""
+    cp = ring["cp"]
+    spans = profile.kind == "gpu" and cp > profile.devices_per_node
+    where = (profile.devices_per_node - 1, 1) if spans else (0, 1)  # (a pair across two nodes, or within one)
+    found = {}
+    for phase in ("forward", "backward", "optimizer"):
+        sends = ring.get(phase)
+        if not sends:
+            found[phase] = (0.0, 0.0)
+            continue
+        one = {
+            k: profile.collective_time(Collective("send", 2, sends[f"{k}_bytes"], phase, first_and_stride=where))
+            for k in ("kv", "dkv")
+        }
+        kv, dkv = sends["kv_sends"] * one["kv"], sends["dkv_sends"] * one["dkv"]
+        hidden = min(kv, attention[phase] * (cp - 1) / cp) if profile.overlap else 0.0
+        found[phase] = (kv + dkv, hidden)
+    return found
 
 
 def simulate_sharing(
@@ -554,7 +596,12 @@ def predict(cfg: Any, world_size: int, counts: dict[int, StepCount], profile: Pr
             [counts[r] for r in pp_ranks], profile, procs_per_node=per_node, ranks=pp_ranks
         )
     else:
-        ranks = [rank_time(count, profile, procs_per_node=per_node, rank=r) for r, count in counts.items()]
+        ring = None
+        if cfg.strategy == "cp":  # the ring's sends, timed as ring_time says
+            from planner.predict import ring_traffic
+
+            ring = {**ring_traffic(cfg, world_size), "cp": world_size // cfg.dp}
+        ranks = [rank_time(count, profile, procs_per_node=per_node, rank=r, ring=ring) for r, count in counts.items()]
         step = max(r.step_s for r in ranks)
     slowest = max(ranks, key=lambda r: r.step_s)
     model = model_flops_per_step(cfg)
