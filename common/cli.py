@@ -37,7 +37,7 @@ def build_parser(strategy: str) -> argparse.ArgumentParser:
     docs = _field_docs()
     parser = _Parser(
         prog=f"train_{strategy}.py",
-        description=f"Train BabyCNN with {strategy.upper()}.",
+        description=f"Train {'BabyGPT' if strategy == 'cp' else 'BabyCNN, BabyViT or BabyGPT'} by {strategy.upper()}.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     for f in fields(Config):
