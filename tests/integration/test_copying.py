@@ -1,9 +1,10 @@
-"""Copying a strategy: the loops docs/copying.md shows (loops/ddp.py, loops/fsdp.py, loops/tp.py, loops/pipeline.py),
-run as they are. Each trains on 4 gloo processes (TP also as FSDP x TP, 2 x 2; the pipeline in 4 stages), accumulating
-gradients over 2 chunks (the pipeline over 4 micro-batches), and follows the same loop's one-process run without
-accumulation step by step, in the loss and the clipped-by gradient norm; the four one-process runs are one run (the
-same model, data and seed). The scripts' own wraps (`apply_ddp`, `apply_fsdp`, `apply_tp`, `apply_pipeline`), put in
-place of a loop's, train its model (which this suite does not define) alike, and the loops' own `torchrun` line runs.
+"""Copying a strategy: the loops docs/copying.md shows (loops/ddp.py, loops/fsdp.py, loops/tp.py, loops/pipeline.py,
+loops/cp.py), run as they are. Each trains on 4 gloo processes (TP also as FSDP x TP, 2 x 2; the pipeline in 4 stages;
+CP as a ring of 4), accumulating gradients over 2 chunks (the pipeline over 4 micro-batches), and follows the same
+loop's one-process run without accumulation step by step, in the loss and the clipped-by gradient norm; the first four
+one-process runs are one run (the same model, data and seed; CP's loop has a sequence model of its own, and its ring's
+sends are counted). The scripts' own wraps (`apply_ddp`, `apply_fsdp`, `apply_tp`, `apply_pipeline`), put in place of
+a loop's, train its model (which this suite does not define) alike, and the loops' own `torchrun` line runs.
 
 Starting torch costs ~3 s a process, so the runs share one start: this module, run as `python -m
 tests.integration.test_copying OUT`, imports torch and the loops once and forks each run's processes from itself, one
@@ -31,12 +32,13 @@ STEPS = 10
 # {run: (loop, its flags, processes, the script's wrap put in place of the loop's)}; a one-process run accumulates
 # nothing (--accum 1), so that a loop's accumulation shows against it
 RUNS: dict[str, tuple[str, list[str], int, str | None]] = {
-    **{f"{loop} 1": (loop, ["--accum", "1"], 1, None) for loop in ("ddp", "fsdp", "tp", "pipeline")},
+    **{f"{loop} 1": (loop, ["--accum", "1"], 1, None) for loop in ("ddp", "fsdp", "tp", "pipeline", "cp")},
     "ddp": ("ddp", ["--accum", "2"], 4, None),
     "fsdp": ("fsdp", ["--accum", "2"], 4, None),
     "tp": ("tp", ["--accum", "2"], 4, None),
     "fsdp x tp": ("tp", ["--dp", "2", "--accum", "2"], 4, None),
     "pipeline": ("pipeline", ["--accum", "4"], 4, None),
+    "cp": ("cp", ["--accum", "2"], 4, None),
     "ddp, apply_ddp": ("ddp", ["--accum", "2"], 4, "train_ddp.apply_ddp"),
     "hsdp, apply_fsdp": ("fsdp", ["--dp", "2", "--accum", "2"], 4, "train_fsdp.apply_fsdp"),
     "fsdp x tp, apply_tp": ("tp", ["--dp", "2", "--accum", "2"], 4, "train_tp.apply_tp"),
@@ -52,6 +54,7 @@ BAD = {
         ["--accum", "2"],
         "error: --batch-size 64 --accum 2: 1F1B needs 4 micro-batches",
     ),
+    "cp --seq-len 60": ("cp", ["--seq-len", "60"], "error: --seq-len 60: 4 ranks need 8 equal chunks"),
 }
 LINE = re.compile(r"step (\d+) loss (\S+) grad_norm (\S+) accumulated (\d+)")
 MAX_GRAD_NORM = 1.0  # the loops' own
@@ -75,9 +78,22 @@ def load_loop(loop: str) -> object:
     return module
 
 
+def count_calls(module: object, name: str) -> list[None]:
+    """Wraps `module.name` (in this forked process alone) so that each call appends to the list returned."""
+    calls, original = [], getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(None)
+        return original(*args, **kwargs)
+
+    setattr(module, name, counted)
+    return calls
+
+
 def launch(out: Path, run: str, loop: object, flags: list[str], nproc: int, wrap: str | None) -> list[int]:
     """`loop.main(flags)` in `nproc` processes forked from this one, with torchrun's environment for a worker (none
-    for one process); each rank's stdout and stderr in out/<run>.<rank>.{stdout,stderr}. The exit codes, by rank."""
+    for one process); each rank's stdout and stderr in out/<run>.<rank>.{stdout,stderr}, and how many times it called
+    `batch_isend_irecv` in out/<run>.<rank>.sends. The exit codes, by rank."""
     with socket.socket() as s:  # a free port for rank 0's store, as torchrun --standalone finds one
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -92,6 +108,9 @@ def launch(out: Path, run: str, loop: object, flags: list[str], nproc: int, wrap
                             RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=nproc, LOCAL_WORLD_SIZE=nproc, MASTER_PORT=port
                         )
                         os.environ.update({k: str(v) for k, v in env.items()}, MASTER_ADDR="127.0.0.1")
+                    import torch.distributed as dist  # (imported already: launch_all)
+
+                    sends = count_calls(dist, "batch_isend_irecv")  # the ring's (and the pipeline's) exchanges
                     if wrap is not None:  # the script's function under the loop's name: the loop calls it instead
                         script, name = wrap.split(".")
                         setattr(loop, name, getattr(importlib.import_module(script), name))
@@ -101,6 +120,7 @@ def launch(out: Path, run: str, loop: object, flags: list[str], nproc: int, wrap
                             code = 0
                         except SystemExit as e:  # bad input: exit 2
                             code = e.code if isinstance(e.code, int) else 1
+                    (out / f"{run}.{rank}.sends").write_text(str(len(sends)))
                 except BaseException:
                     traceback.print_exc(file=stderr)
             os._exit(code)  # (no interpreter shutdown in a forked copy of the launcher)
@@ -113,7 +133,7 @@ def launch_all(out: Path) -> None:
 
     for script in ("train_ddp", "train_fsdp", "train_tp", "train_pippy"):
         importlib.import_module(script)  # (their wraps, imported once too)
-    loops = {loop: load_loop(loop) for loop in ("ddp", "fsdp", "tp", "pipeline")}
+    loops = {loop: load_loop(loop) for loop in ("ddp", "fsdp", "tp", "pipeline", "cp")}
     codes = {}
     for run, (loop, flags, nproc, wrap) in RUNS.items():
         codes[run] = launch(out, run, loops[loop], [*flags, "--steps", str(STEPS)], nproc, wrap)
@@ -173,6 +193,19 @@ def test_the_four_loops_on_one_process_are_one_run_that_learns_and_clips(early):
         follows(printed(out, f"{loop} 1"), reference, accumulated=1)  # the same model, data and seed in each
 
 
+def test_the_cp_loop_learns_and_its_ring_of_4_sends_as_ring_attention_does(early):
+    """One process: a ring of one, no sends. 4 processes: per attention layer and chunk, forward (cp - 1) exchanges of
+    the keys and values, backward (cp - 1) of them and cp of their gradients (the last brings them home)."""
+    out = finished(early)
+    reference = printed(out, "cp 1")
+    assert reference[-1][1] < 0.95 * reference[0][1], reference  # it learns, far beyond the tolerance
+    sends = {run: [int((out / f"{run}.{rank}.sends").read_text()) for rank in range(RUNS[run][2])] for run in RUNS}
+    assert sends["cp 1"] == [0], sends
+    cp, blocks = 4, load_loop("cp").N_BLOCKS
+    expected = STEPS * accumulation("cp") * blocks * ((cp - 1) + (cp - 1) + cp)
+    assert sends["cp"] == [expected] * cp, (sends["cp"], expected)
+
+
 @pytest.mark.parametrize("run", [run for run, (_, _, nproc, wrap) in RUNS.items() if nproc > 1 and wrap is None])
 def test_each_loop_on_4_processes_follows_its_one_process_run(early, run):
     out = finished(early)
@@ -204,7 +237,7 @@ def test_every_line_docs_copying_md_quotes_is_in_its_loop():
     """Each python block of docs/copying.md opens with `# loops/<file>.py` and quotes lines of that file (indentation
     aside): the page shows the code these tests run."""
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "copying.md").read_text(), re.S)
-    assert len(blocks) == 4, blocks
+    assert len(blocks) == 5, blocks
     for block in blocks:
         first, *lines = block.splitlines()
         assert first.startswith("# loops/"), first
