@@ -13,6 +13,7 @@ synthetic sequence task. Lines specific to CP are marked `# [CP]`; train_cp.py d
 import argparse
 import os
 import sys
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,10 +35,19 @@ class Ring:  # [CP] this rank's place in the ring: its head and tail chunks, who
         tail = 2 * self.size - 1 - self.rank
         return torch.cat([torch.arange(self.rank * c, (self.rank + 1) * c), torch.arange(tail * c, (tail + 1) * c)])
 
-    def exchange(self, send: torch.Tensor) -> tuple[torch.Tensor, list[dist.Work]]:  # started, not waited for
+    def exchange(self, send: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start sending `send` to the right and receiving its like from the left; the function returned waits."""
         arriving = torch.empty_like(send)
-        ops = [dist.P2POp(dist.isend, send, self.right), dist.P2POp(dist.irecv, arriving, self.left)]
-        return arriving, dist.batch_isend_irecv(ops)
+        requests = dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, send, self.right), dist.P2POp(dist.irecv, arriving, self.left)]
+        )
+
+        def received() -> torch.Tensor:
+            for request in requests:
+                request.wait()
+            return arriving
+
+        return received
 
     def blocks(self, source: int, t: int) -> tuple[slice, slice, bool]:
         # [CP] Which of my queries meet which of source's keys. Mine: all against all, causal (head before tail is
@@ -50,25 +60,23 @@ class Ring:  # [CP] this rank's place in the ring: its head and tail chunks, who
         return (all_, head, False) if source < self.rank else (tail, all_, False)
 
 
+def scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:  # q k^T / sqrt(D), masked if causal
+    s = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+    return s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf")) if causal else s
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One block: softmax(q k^T / sqrt(D)) v and its rows' log-sum-exp, the merge's weight (q, k, v [B, H, t, D])."""
-    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
-    if causal:
-        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
-    lse = scores.logsumexp(-1)
-    return (scores - lse[..., None]).exp() @ v, lse
+    s = scores(q, k, causal)
+    lse = s.logsumexp(-1)
+    return (s - lse[..., None]).exp() @ v, lse
 
 
-def attend_backward(dout, q, k, v, out, lse, causal) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attend_backward(dout, q, out, lse, k, v, causal) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one block, given the merged output and log-sum-exp of the queries' whole rows: then the
     block's softmax is its share of the rows', and the blocks' gradients add up to the whole attention's."""
-    scale = q.shape[-1] ** -0.5
-    scores = q @ k.transpose(-2, -1) * scale
-    if causal:
-        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
-    p = (scores - lse[..., None]).exp()
-    dp = dout @ v.transpose(-2, -1)
-    ds = p * (dp - (dout * out).sum(-1, keepdim=True)) * scale  # the softmax's backward, over the whole rows
+    p = (scores(q, k, causal) - lse[..., None]).exp()
+    ds = p * (dout @ v.transpose(-2, -1) - (dout * out).sum(-1, keepdim=True)) * q.shape[-1] ** -0.5  # softmax's
     return ds @ k, ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ dout
 
 
@@ -76,23 +84,21 @@ class RingAttention(torch.autograd.Function):  # [CP] causal attention of my que
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
         out, lse = torch.zeros_like(q), q.new_full(q.shape[:3], float("-inf"))
-        kv = torch.stack([k, v])  # one message a step
+        kv = torch.stack([k, v])  # [CP] one message a step, [2, B, H, t, D]
         for step in range(ring.size):
             source = (ring.rank - step) % ring.size  # whose chunks I hold now
             if step < ring.size - 1:
-                arriving, requests = ring.exchange(kv)  # [CP] the next chunks move while these are computed
+                received = ring.exchange(kv)  # [CP] the next chunks move while these are computed
             rows, cols, causal = ring.blocks(source, q.shape[2])
-            block_out, block_lse = attend(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal)
-            merged = torch.logaddexp(lse[:, :, rows], block_lse)  # [CP] the merge: each part by its share
+            block_out, block_lse = attend(q[:, :, rows], *kv[:, :, :, cols], causal)
+            merged = torch.logaddexp(lse[:, :, rows], block_lse)  # [CP] the merge: each part by its share of the sum
             out[:, :, rows] = (
                 out[:, :, rows] * (lse[:, :, rows] - merged).exp()[..., None]
                 + block_out * (block_lse - merged).exp()[..., None]
             )
             lse[:, :, rows] = merged
             if step < ring.size - 1:
-                for request in requests:
-                    request.wait()
-                kv = arriving
+                kv = received()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring = ring
         return out
@@ -106,23 +112,16 @@ class RingAttention(torch.autograd.Function):  # [CP] causal attention of my que
         for step in range(ring.size):
             source = (ring.rank - step) % ring.size
             if step < ring.size - 1:
-                arriving, requests = ring.exchange(kv)  # [CP] the keys and values go round again
+                received = ring.exchange(kv)  # [CP] the keys and values go round again
             rows, cols, causal = ring.blocks(source, q.shape[2])
-            dq_b, dk_b, dv_b = attend_backward(
-                dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows],
-                lse[:, :, rows], causal,
-            )  # fmt: skip
-            dq[:, :, rows] += dq_b
-            dkv[0][:, :, cols] += dk_b
-            dkv[1][:, :, cols] += dv_b
-            if ring.size > 1:  # [CP] the gradient follows its chunk: the last send brings it home
-                dkv, dkv_requests = ring.exchange(dkv)
-                for request in dkv_requests:
-                    request.wait()
+            mine = (t[:, :, rows] for t in (dout, q, out, lse))
+            dq_block, dk_block, dv_block = attend_backward(*mine, *kv[:, :, :, cols], causal)
+            dq[:, :, rows] += dq_block
+            dkv[:, :, :, cols] += torch.stack([dk_block, dv_block])
+            if ring.size > 1:
+                dkv = ring.exchange(dkv)()  # [CP] the gradient follows its chunk: the last send brings it home
             if step < ring.size - 1:
-                for request in requests:
-                    request.wait()
-                kv = arriving
+                kv = received()
         return dq, dkv[0], dkv[1], None
 
 
@@ -152,8 +151,8 @@ class Decoder(nn.Module):  # token and position embeddings, the blocks, the head
         return self.head(self.norm(x))
 
 
-def make_model() -> Decoder:
-    torch.manual_seed(0)  # the same initial weights on every rank
+def make_model() -> Decoder:  # the same initial weights on every rank
+    torch.manual_seed(0)
     return Decoder()
 
 
@@ -161,10 +160,8 @@ def global_batch(step: int, batch_size: int, seq_len: int) -> tuple[torch.Tensor
     """The same sequences on every rank: each counts up from a random start by its own random stride (mod VOCAB), so
     the next token follows from the last two; (tokens, the next tokens), each [batch_size, seq_len]."""
     g = torch.Generator().manual_seed(step)
-    start, stride = (
-        torch.randint(VOCAB, (batch_size, 1), generator=g),
-        torch.randint(1, VOCAB, (batch_size, 1), generator=g),
-    )
+    start = torch.randint(VOCAB, (batch_size, 1), generator=g)
+    stride = torch.randint(1, VOCAB, (batch_size, 1), generator=g)
     sequences = (start + stride * torch.arange(seq_len + 1)) % VOCAB
     return sequences[:, :-1], sequences[:, 1:]
 
@@ -238,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     cp = int(os.environ.get("WORLD_SIZE", 1))
     if args.seq_len % (2 * cp) or not 0 < args.seq_len <= MAX_LEN:
         fail(
-            f"--seq-len {args.seq_len}: {cp} ranks cut it into {2 * cp} chunks; use a multiple of {2 * cp} to {MAX_LEN}"
+            f"--seq-len {args.seq_len}: {cp} ranks need {2 * cp} equal chunks; use a multiple of {2 * cp} to {MAX_LEN}"
         )
     if args.accum < 1 or args.batch_size % args.accum:
         fail(f"--batch-size {args.batch_size} --accum {args.accum}: {args.accum} chunks do not split the batch evenly")
