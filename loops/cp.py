@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 VOCAB, DIM, HEADS, HIDDEN, N_BLOCKS, MAX_LEN = 16, 32, 2, 64, 2, 256
+IGNORE = -100  # a target not scored (cross_entropy's ignore_index)
 MAX_GRAD_NORM = 1.0  # the whole model's gradient is clipped to this L2 norm
 LAST_MEETING: list[dist.Work] = []  # the teardown's all-reduce, kept until the process exits (main)
 
@@ -158,12 +159,13 @@ def make_model() -> Decoder:  # the same initial weights on every rank
 
 def global_batch(step: int, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The same sequences on every rank: each counts up from a random start by its own random stride (mod VOCAB), so
-    the next token follows from the last two; (tokens, the next tokens), each [batch_size, seq_len]."""
+    the next token follows from the last two; (tokens, the next tokens), each [batch_size, seq_len]. The first
+    token's next is not scored (IGNORE): one token shows no stride."""
     g = torch.Generator().manual_seed(step)
     start = torch.randint(VOCAB, (batch_size, 1), generator=g)
     stride = torch.randint(1, VOCAB, (batch_size, 1), generator=g)
     sequences = (start + stride * torch.arange(seq_len + 1)) % VOCAB
-    return sequences[:, :-1], sequences[:, 1:]
+    return sequences[:, :-1], sequences[:, 1:].index_fill(1, torch.tensor([0]), IGNORE)
 
 
 def setup() -> torch.device:
@@ -192,19 +194,19 @@ def fail(message: str) -> None:
 def train(args: argparse.Namespace, device: torch.device) -> None:
     rank, cp = dist.get_rank(), dist.get_world_size()  # [CP] every rank is one of the ring's
     ring = Ring()  # [CP]
-    positions = ring.positions(args.seq_len).to(device)  # [CP] my head and tail chunks' places
+    positions = ring.positions(args.seq_len)  # [CP] my head and tail chunks' places in every sequence
     model = make_model().to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)  # (SGD learns this task too slowly for 20 steps)
     for step in range(1, args.steps + 1):
-        # [CP] every rank the same sequences, cut to its own tokens: the inputs and their targets alike
-        x, y = (t[:, positions.cpu()].to(device) for t in global_batch(step, args.batch_size, args.seq_len))
+        x, y = global_batch(step, args.batch_size, args.seq_len)  # [CP] the whole sequences, on every rank
         loss_sum = torch.zeros((), device=device)
         for xc, yc in zip(x.chunk(args.accum), y.chunk(args.accum)):
-            logits = model(xc, positions, ring)
-            # [CP] My share of the sequences' mean: my positions' sum over the whole sequences' count (not my own
-            # mean: where the ranks score unequal numbers of positions, that weighs them wrongly), x cp because the
-            # gradients are averaged over the ranks below, as DDP and FSDP average them
-            scored = yc.shape[0] * args.seq_len  # [CP] every position of the whole sequences is scored
+            scored = int((yc != IGNORE).sum())  # [CP] the whole sequences' scored positions, counted before the cut
+            xc, yc = xc[:, positions].to(device), yc[:, positions].to(device)  # [CP] my tokens: inputs and targets
+            logits = model(xc, positions.to(device), ring)
+            # [CP] My share of the sequences' mean: my positions' sum over the whole sequences' count (my own mean
+            # weighs the ranks wrongly: rank 0 holds the unscored first positions), x cp because the gradients are
+            # averaged over the ranks below, as DDP and FSDP average them
             loss = F.cross_entropy(logits.flatten(0, 1), yc.flatten(), reduction="sum") * cp / scored
             loss = loss / args.accum  # summed over the chunks: the batch's mean
             loss.backward()
