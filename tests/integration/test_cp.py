@@ -203,8 +203,7 @@ def test_a_resumed_cp_run_repeats_the_run_bit_for_bit(runs):
     full = losses(runs / "exact")
     assert len(full) == 12 and losses(again) == full and grad_norms(again) == grad_norms(runs / "exact")
     assert read_metrics(again)[1] == read_metrics(runs / "exact")[1]  # the evaluation after step 12 too
-    # at --lr 2e-3 the curve moves (0.028 here over 12 steps): a 1-ulp difference
-    # would have grown
+    # at --lr 2e-3 the curve moves (0.028 here over 12 steps): a 1-ulp difference would have grown
     assert max(full) - min(full) > 0.02
 
 
