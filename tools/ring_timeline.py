@@ -4,7 +4,7 @@
 
 RUN_DIR is a train_cp.py run folder profiled with --profile-steps (it holds run.json and traces/rank*.json).
 Per rank: the attention blocks it computed (torch's fused kernel, one per ring step, labelled with the rank whose
-keys and values it used), and above and below them the gloo send and receive of the next key/value chunk, from
+keys and values it used), and above and below them the send and receive of the next key/value chunk, from
 the moment each is started to the moment it completes. A transfer that starts before the block beside it is the
 ring's overlap. Traces of one machine share a clock; see docs/context-parallel.md for how to read the figure.
 """
@@ -66,7 +66,8 @@ def ring_spans(events: list[dict[str, Any]], cp: int, layer: int) -> dict[str, l
             raise RingTraceError(f"layer {layer}: the trace has {len(found)} {names[0]} events, too few for cp={cp}")
         return found[layer * count : (layer + 1) * count]
 
-    return {"block": spans(BLOCK_OPS, cp), "send": spans(["gloo:send"], cp - 1), "recv": spans(["gloo:recv"], cp - 1)}
+    sends, recvs = ("gloo:send", "nccl:send"), ("gloo:recv", "nccl:recv")  # (NCCL's on GPUs: not tried here)
+    return {"block": spans(BLOCK_OPS, cp), "send": spans(sends, cp - 1), "recv": spans(recvs, cp - 1)}
 
 
 def draw(rings: list[dict[str, list[Span]]], cp: int, layer: int, out: str) -> None:
@@ -96,7 +97,7 @@ def draw(rings: list[dict[str, list[Span]]], cp: int, layer: int, out: str) -> N
         fontsize=9,
     )
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()]
-    labels = ["attention block (fused kernel)", "gloo send of kv", "gloo recv of kv"]
+    labels = ["attention block (fused kernel)", "send of the kv held", "receive of the next kv"]
     ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(out, dpi=110, bbox_inches="tight")
