@@ -18,6 +18,7 @@ _OFF = contextlib.nullcontext()  # reusable: entering it does nothing
 # Collectives as the profiler names them: gloo/NCCL run them on their own threads ("gloo:all_reduce",
 # "nccl:all_gather" ...); "c10d::" ops are the calls that enqueue them and are neither comm nor compute.
 COMM_PREFIXES = ("gloo:", "nccl:")
+POINT_TO_POINT = ("gloo:send", "gloo:recv", "nccl:send", "nccl:recv")  # (posted by the thread that computes)
 NOT_COMPUTE = ("c10d::", "record_param_comms", "ProfilerStep", "PyTorch Profiler")
 
 Interval = tuple[float, float]
@@ -59,7 +60,8 @@ def comm_overlap(events: Sequence[dict]) -> dict[str, float]:
     communication thread). hidden / comm is the share of communication hidden behind compute."""
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
     comm = [e for e in spans if e["name"].startswith(COMM_PREFIXES)]
-    comm_threads = {e.get("tid") for e in comm}
+    # the threads collectives run on; point-to-point sends show on the thread that posts them, which computes too
+    comm_threads = {e.get("tid") for e in comm if not e["name"].startswith(POINT_TO_POINT)}
     compute = [
         e
         for e in spans

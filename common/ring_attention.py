@@ -188,6 +188,7 @@ class _RingAttention(torch.autograd.Function):
         dq = q.new_zeros(q.shape, dtype=torch.float32)
         kv = torch.stack([k, v])
         dkv = kv.new_zeros(kv.shape, dtype=torch.float32)  # travels with kv, each rank adding its share
+        passing: list = []  # the previous step's gradient transfer, waited for only when its sum is needed
         for step in range(ring.size):
             source = (ring.rank - step) % ring.size
             if step < ring.size - 1:
@@ -199,12 +200,13 @@ class _RingAttention(torch.autograd.Function):
                 dout[:, :, r], q[:, :, r], keys, values, out[:, :, r], lse[:, :, r], causal
             )
             dq[:, :, r] += dq_b.float()
+            _wait(passing)  # this chunk's gradient so far, sent on by the previous rank while the block was computed
             dkv[0][:, :, c] += _fold(dk_b.float(), groups)
             dkv[1][:, :, c] += _fold(dv_b.float(), groups)
-            # the chunk's gradient, every rank's share so far, follows the chunk; after the last step it is home
-            dkv, dkv_requests = ring.exchange(dkv)
-            _wait(dkv_requests)
+            if ring.size > 1:  # the chunk's gradient follows the chunk; after the last step it is home (one: it is)
+                dkv, passing = ring.exchange(dkv)
             if step < ring.size - 1:
                 _wait(requests)
                 kv = arriving
+        _wait(passing)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
