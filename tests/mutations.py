@@ -367,8 +367,73 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         "            if False and not same_but_rank(",
         ["tests/unit/test_planner_speed.py", "-k", "differ"],
     ),
+    "planner-cp-whole-sequences": (  # the planner's CP rank runs its replica's whole sequences, not its two chunks
+        "planner/measure.py",
+        "x, y = ring.shard(tokens), ring.shard(targets)",
+        "x, y = tokens, targets",
+        ["tests/unit/test_planner_cp.py", "-k", "divides"],
+    ),
+    "planner-cp-recompute": (  # the ring's sends counted without a checkpointed block's forward run again
+        "planner/predict.py",
+        "again = 2 if cfg.activation_checkpointing else 1",
+        "again = 1",
+        ["tests/unit/test_planner_cp.py", "-k", "counted_sends"],
+    ),
+    "planner-cp-nothing-hidden": (  # the ring's key/value sends timed as exposed on a GPU too
+        "planner/timing.py",
+        "hidden = min(kv, attention[phase] * (cp - 1) / cp) if profile.overlap else 0.0",
+        "hidden = 0.0",
+        ["tests/unit/test_planner_cp.py", "-k", "timed_beside"],
+    ),
+    "cp-merge-weight": (  # ring attention adds each block's output unweighted: not by its share of the log-sum-exp
+        "common/ring_attention.py",
+        "+ block_out.float() * (block_lse - merged_lse).exp()[..., None]",
+        "+ block_out.float()",
+        ["tests/integration/test_cp.py", "-k", "ring_attention_equals"],
+    ),
+    "cp-blocks": (  # an earlier rank's tail chunk taken for its head: queries meet keys that come after them
+        "common/ring_attention.py",
+        'return ("all", "head", False) if source < rank else ("tail", "all", False)',
+        'return ("all", "tail", False) if source < rank else ("tail", "all", False)',
+        ["tests/integration/test_cp.py", "-k", "ring_attention_equals"],
+    ),
+    "cp-loss-scale": (  # CP's loss without its x cp: FSDP's average over the ranks then halves the gradient
+        "train_cp.py",
+        'reduction="sum") * cp / scored',
+        'reduction="sum") / scored',
+        ["tests/integration/test_cp.py", "-k", "follows_one_process and cp2"],
+    ),
+    "cp-positions": (  # CP's rotary positions local to each rank's tokens, not their places in the sequence
+        "common/gpt.py",
+        "positions = self.ring.positions(t, x.device) if self.ring else torch.arange(t, device=x.device)",
+        "positions = torch.arange(t, device=x.device)",
+        ["tests/integration/test_cp.py", "-k", "follows_one_process and cp2"],
+    ),
+    "cp-loop-own-mean": (  # the CP loop's loss as each rank's own mean: rank 0, holding unscored positions, weighs more
+        "loops/cp.py",
+        'reduction="sum") * cp / scored',
+        'reduction="sum") / (yc != IGNORE).sum()',
+        ["tests/integration/test_copying.py", "-k", "follows_its_one_process_run and cp"],
+    ),
+    "cp-loop-dkv-home": (  # the CP loop's key/value gradients not sent home after the ring's last step
+        "loops/cp.py",
+        "            if ring.size > 1:\n                dkv = ring.exchange(dkv)()",
+        "            if ring.size > 1 and step < ring.size - 1:\n                dkv = ring.exchange(dkv)()",
+        ["tests/integration/test_copying.py", "-k", "follows_its_one_process_run and cp"],
+    ),
+    "ring-timeline-layer": (  # the ring's figure draws the first layer whatever --layer asks
+        "tools/ring_timeline.py",
+        "return found[layer * count : (layer + 1) * count]",
+        "return found[:count]",
+        ["tests/unit/test_ring_timeline.py"],
+    ),
+    "ring-timeline-step": (  # the ring's figure takes events from outside the profiled step
+        "tools/ring_timeline.py",
+        'events = [e for e in events if t0 <= e["ts"] <= t1]',
+        "pass",
+        ["tests/unit/test_ring_timeline.py"],
+    ),
 }
-
 
 # What `.ci/run` runs (`--ci`): each strategy (DDP, FSDP, TP, the pipeline) and the cross-cutting features, each
 # mutation one whose catching test reads an early, small launch: 7 min on 2 cores (tests/README.md)
@@ -377,6 +442,7 @@ CI_SUBSET = (
     *("loss-mean", "cpu-offload", "sequence-parallel", "micro-batch-scale"),  # DDP, FSDP, TP, the pipeline
     *("resume", "fp16-skip-agreement", "clip-fsdp"),
     "gpt-logits-gathered",  # BabyGPT: the vocabulary-split loss
+    "cp-blocks",  # context parallelism: the ring's head and tail blocks
 )
 
 OUTCOMES = "MUTATION_OUTCOMES"  # where the plugin appends each test's outcome, one JSON line each

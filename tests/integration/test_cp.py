@@ -123,12 +123,6 @@ def test_ring_attention_equals_causal_attention_over_the_whole_sequence(ring_att
         assert found["round_trip_tokens"] and found["round_trip_heads"], found
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a ring of one process crashes in backward: RingAttention's backward sends the gradient to itself "
-    "(common/ring_attention.py: dkv is exchanged even when ring.size == 1; gloo cannot send to its own rank), so "
-    "`python train_cp.py` on one process fails at its first step",
-)
 def test_a_ring_of_one_process_is_plain_causal_attention(ring_attention):
     for every in ring_attention["ranks"]:
         found = every["alone"]
