@@ -30,7 +30,7 @@ def activations(size: str, variant: str, seq_len: int, world: int = 4) -> int:
     return w.peak_bytes - w.param_bytes - w.grad_bytes - w.optim_bytes
 
 
-@pytest.mark.parametrize("size, cps", [("baby", (2, 4)), ("small", (2,))])
+@pytest.mark.parametrize("size, cps", [("baby", (2, 4)), pytest.param("small", (2,), marks=pytest.mark.heavy)])
 def test_cp_divides_the_activations_fsdp_keeps_whole(size, cps):
     # one sequence of 1,024 tokens: FSDP's rank runs it all, a CP rank 1/cp of it (its two chunks), so what the
     # step keeps for backward (every block's inputs, attention's outputs and log-sum-exp, the logits) shrinks by cp;
@@ -105,13 +105,14 @@ def test_the_ring_is_timed_beside_attention_on_a_gpu():
 
 def test_the_longest_sequence_is_planned_on_both_sides():
     # 24 MB a rank, 1 sequence per rank (CP: per replica) in multiples of 256 tokens: the length found fits, the
-    # next multiple does not, each planned again here; CP fits a longer one than FSDP, cp 4 longer than cp 2
+    # next multiple does not, each planned again here; cp 4 fits more than 3 x FSDP's (the search starts at each
+    # plan's own length: near the answer, a few plans)
     from planner.plan import plan
     from planner.report import longest_sequence
 
     memory, found = 24_000_000, {}
-    for variant in (FSDP, "cp 2", "cp 4"):
-        base = Config(model="gpt", model_size="baby", batch_size=4, seq_len=1024)
+    for variant, start in ((FSDP, 1024), ("cp 4", 4096)):
+        base = Config(model="gpt", model_size="baby", batch_size=4, seq_len=start)
         p = plan(variant, base, 4)
         got = longest_sequence(p, memory, per_rank_batch=1, granule=256)
         assert got.step == 256 and got.over == got.fits + 256, (variant, got)
@@ -119,7 +120,6 @@ def test_the_longest_sequence_is_planned_on_both_sides():
             worst = plan(variant, Config(**{**base.__dict__, "seq_len": length}), 4).worst
             assert (worst.peak_bytes <= memory) == fits, (variant, length, worst.peak_bytes)
         found[variant] = got.fits
-    assert found[FSDP] < found["cp 2"] < found["cp 4"], found
     assert found["cp 4"] >= 3 * found[FSDP], found
 
 
@@ -128,14 +128,14 @@ def test_the_planner_command_answers_the_longest_sequence(tmp_path, capsys):
 
     out = tmp_path / "plan.json"
     flags = ["--model", "gpt", "--model-size", "baby", "--world-sizes", "4", "--per-rank-batch", "1"]
-    flags += ["--variants", "cp 4", "--seq-len", "2048", "--device-memory", "24MB", "--longest-sequence", "512"]
+    flags += ["--variants", "cp 4", "--seq-len", "4096", "--device-memory", "24MB", "--longest-sequence", "2048"]
     assert main([*flags, "--jobs", "1", "--json", str(out)]) == 0
     said = capsys.readouterr().out
     assert "| cp 4 | 4 |" in said and "The longest sequence that fits 24.0 MB" in said
     (plan,) = json.loads(out.read_text())
     longest = plan["longest_sequence"]
     assert plan["flags"]["strategy"] == "cp" and plan["flags"]["dp"] == 1
-    assert longest["step"] == 512 and longest["over"] == longest["fits"] + 512
+    assert longest["step"] == 2048 and longest["over"] == longest["fits"] + 2048
     assert f"- cp 4 on 4: {longest['fits']:,} tokens" in said
 
 
