@@ -361,9 +361,10 @@ def rank_time(
     ring: dict[str, Any] | None = None,
 ) -> RankTime:
     """The step of one rank (a pipeline rank: its work outside its actions; `ops`: the count whose operators its
-    collectives' `before` names, if not this one's). What overlaps: on a machine whose collectives run beside
-    compute (a GPU's own stream), DDP's and FSDP's, in forward and backward; not TP's (the next operator waits on
-    them, `Collective.functional`), nor the numbers logged after backward."""
+    collectives' `before` names, if not this one's; `ring`: context parallelism's sends, timed by ring_time instead
+    of as counted). What overlaps: on a machine whose collectives run beside compute (a GPU's own stream), DDP's and
+    FSDP's, in forward and backward; not TP's (the next operator waits on them, `Collective.functional`), nor the
+    numbers logged after backward."""
     threads = profile.threads(procs_per_node)
     compute_at = profile.for_threads(threads)
     share = _share(profile, procs_per_node, threads)
