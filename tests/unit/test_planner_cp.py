@@ -34,7 +34,7 @@ def activations(size: str, variant: str, seq_len: int, world: int = 4) -> int:
 def test_cp_divides_the_activations_fsdp_keeps_whole(size, cps):
     # one sequence of 1,024 tokens: FSDP's rank runs it all, a CP rank 1/cp of it (its two chunks), so what the
     # step keeps for backward (every block's inputs, attention's outputs and log-sum-exp, the logits) shrinks by cp;
-    # measured: baby 1.02 x and 1.08 x 1/cp (the ring's kv in flight, the rotary tables of a rank's positions)
+    # measured: baby 1.02 x and 1.08 x 1/cp (what does not shrink: FSDP's unit gathered whole, a chunk in flight)
     fsdp = activations(size, FSDP, 1024)
     for cp in cps:
         mine = activations(size, f"cp {cp}", 1024)
