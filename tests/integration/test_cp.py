@@ -25,6 +25,7 @@ from tests.helpers import (
     read_metrics,
     read_run,
     run_command,
+    tiered,
 )
 
 STEPS = 20
@@ -56,7 +57,8 @@ RING_ATOL = 3e-5
 POOLED = {
     "ref": Run("ddp", [*PARITY, *ONE_THREAD], nproc=1),
     "cp2": Run("cp", [*CROSS, *PROFILED], nproc=2),  # (its step-10 checkpoint crosses to FSDP)
-    "cp4": Run("cp", [*PARITY, *PROFILED]),
+    # (cp4 heavy: a ring of 4 is the ring check's every pytest, 4 processes FSDP x CP's)
+    "cp4": Run("cp", [*PARITY, *PROFILED], heavy=True),
     "fsdp-x-cp": Run("cp", [*PARITY, *PROFILED, "--dp", "2"]),  # 2 replicas x 2-way CP
     # the reference's first 3 steps with each block recomputed in backward: its ring runs twice
     "cp2-ac": Run("cp", [*PARITY, *PROFILED, *CHECKPOINTED, "--max-steps", "3"], nproc=2),
@@ -131,7 +133,7 @@ def test_a_ring_of_one_process_is_plain_causal_attention(ring_attention):
 
 
 # ------------------------------------------------------------------------------------ training against one process
-@pytest.mark.parametrize("name", ["cp2", "cp4", "fsdp-x-cp"])
+@pytest.mark.parametrize("name", tiered(["cp2", "cp4", "fsdp-x-cp"], POOLED))
 def test_cp_follows_one_process(runs, name):
     """Every rank attends over its 1/cp of each 1,024-token sequence by the ring (run.json's cp section and the
     printed line say so) and the run follows one process's loss and gradient norm step by step; both evaluations
@@ -163,7 +165,7 @@ def ring_sends(dp: int, cp: int, recomputed: bool = False) -> dict[str, int]:
     return {"forward": forward, "backward": backward, "elements": (forward + backward) * kv}
 
 
-@pytest.mark.parametrize("name", ["cp2", "cp4", "fsdp-x-cp", "cp2-ac"])
+@pytest.mark.parametrize("name", tiered(["cp2", "cp4", "fsdp-x-cp", "cp2-ac"], POOLED))
 def test_the_ring_sends_what_the_shapes_predict(runs, name):
     """The profiled step's point-to-point traffic on every rank (run.json's profile): as many sends and receives,
     of as many elements, as the ring's passes predict, in forward and in backward (inside backward with activation

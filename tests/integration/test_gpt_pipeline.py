@@ -74,13 +74,14 @@ POOLED = {
     },
     # FSDP x PP x TP on 8 processes (2 x 2 x 2), with a checkpoint at step 10 that DDP continues; 2 micro-batches
     # (as many as its stages), the fewest TP collectives per step
-    "3d": Run("pippy", [*CROSS, *MESH_3D, "--n-microbatches", "2"], nproc=8),
+    # (heavy: 8 processes on a laptop's cores cost the most of any run here; the ViT's 3-D mesh is every pytest's)
+    "3d": Run("pippy", [*CROSS, *MESH_3D, "--n-microbatches", "2"], nproc=8, heavy=True),
     # resumed at step 6 of 12 in a fresh pipeline, from a copy of the run as it stood then
     "exact": Run("pippy", EXACT, nproc=2),
     "exact-resumed": Run("pippy", [*EXACT, "--resume"], nproc=2, rewound_from=("gpt_pipeline/exact", 6)),
     # one process's checkpoint continued by a pipeline, the 3-D mesh's (TP's halves, FSDP's shards) by DDP on 2
     "pp2-from-ddp": Run("pippy", [*CROSS, "--resume"], nproc=2, rewound_from=("gpt_pipeline/ref", 10)),
-    "ddp-from-3d": Run("ddp", [*CROSS, "--resume"], nproc=2, rewound_from=("gpt_pipeline/3d", 10)),
+    "ddp-from-3d": Run("ddp", [*CROSS, "--resume"], nproc=2, rewound_from=("gpt_pipeline/3d", 10), heavy=True),
 }
 PARITY_RUNS = [name for name in POOLED if name.startswith(("pp", "small-pp", "3d")) and "from" not in name]
 
@@ -174,6 +175,7 @@ def test_a_resumed_pipeline_repeats_the_run_bit_for_bit(runs):
     assert max(full) - min(full) > 0.05  # at --lr 2e-3 the curve moves: a 1-ulp difference would have grown
 
 
+@pytest.mark.heavy
 @needs_torch(NEEDS_TP)
 def test_fsdp_x_pp_x_tp_on_8_processes_follows_one_process_and_crosses_to_ddp(runs):
     """The 3-D mesh: each rank holds its stage's layers (PP), of the split ones (the vocabulary-split embedding and

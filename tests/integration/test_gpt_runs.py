@@ -101,7 +101,7 @@ REFUSED = [
     ("tp", 3, [], "--heads: 3 TP ranks do not split --heads (4: "),  # (an odd TP degree: the vocabulary neither)
     ("tp", 2, ["--kv-heads", "1"], "--kv-heads: 2 TP ranks do not split --kv-heads (1: "),
     ("tp", 3, ["--data-file", "{dir}/text.txt"], "use a TP degree of 1, 2, 4"),  # 256 bytes: the vocabulary too
-    ("ddp", 2, ["--seq-len", "2048"], "--seq-len: 2048 tokens are beyond baby's context of 1024"),
+    ("ddp", 2, ["--seq-len", "32768"], "--seq-len: 32768 tokens are beyond baby's context of 16384"),
     ("ddp", 2, ["--seq-len", "63"], "--seq-len: the built-in copy needs an even length"),
     ("ddp", 2, ["--model", "cnn", "--seq-len", "64"], "--seq-len: a flag of BabyGPT (--model gpt), not of the cnn"),
     ("fsdp", 2, ["--model", "vit", "--kv-heads", "2"], "--kv-heads: a flag of BabyGPT (--model gpt), not of the vit"),
