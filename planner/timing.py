@@ -411,7 +411,8 @@ def ring_time(ring: dict[str, Any], profile: Profile, attention: dict[str, float
     node). What hides: on a GPU (the sends on their own stream) a key/value chunk travels while the chunk before it
     is computed (common/ring_attention.py starts it first), so the kv sends hide behind cp - 1 of the cp blocks of
     each attention (`attention`: its kernels' seconds by phase), the rest of the step's compute not; the gradient
-    accumulator's sends are waited for at once, exposed. The link is the ring's alone (not shared with FSDP's
+    accumulator's sends are timed exposed, an upper bound (the ring waits for each only when the next rank adds its
+    share, so all but the last travel beside a block). The link is the ring's alone (not shared with FSDP's
     collectives, which overlap as rank_time says). On a CPU nothing hides."""
     cp = ring["cp"]
     spans = profile.kind == "gpu" and cp > profile.devices_per_node

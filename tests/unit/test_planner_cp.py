@@ -80,7 +80,7 @@ def test_the_rings_counted_sends_are_the_formulas():
 
 def test_the_ring_is_timed_beside_attention_on_a_gpu():
     # h100-sxm: the ring's sends are in the step's communication; of them the kv sends hide behind cp - 1 of the
-    # cp blocks of attention, the gradient accumulator's not (exposed)
+    # cp blocks of attention, the gradient accumulator's timed exposed (an upper bound)
     from planner.plan import counted_steps, variant_config
     from planner.predict import ring_traffic
     from planner.timing import load_profile, rank_time, ring_time
