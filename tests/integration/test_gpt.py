@@ -24,6 +24,7 @@ from tests.helpers import (
     printed,
     read_metrics,
     read_run,
+    tiered,
 )
 
 STEPS = 20
@@ -76,7 +77,7 @@ write_text_file()  # (at collection: the shared launches start before any test r
 POOLED = {
     "ref": Run("ddp", [*CROSS, *ONE_THREAD, "--eval-every", "10"], nproc=1),
     "ddp2": Run("ddp", [*CROSS, *PROFILED], nproc=2),  # (its step-10 checkpoint crosses to FSDP)
-    "ddp4": Run("ddp", PARITY),
+    "ddp4": Run("ddp", PARITY, heavy=True),  # (heavy: 4 ranks are FSDP's every pytest, DDP's the heavy tier's)
     "fsdp2": Run("fsdp", [*CROSS, *BLOCKS, *PROFILED], nproc=2, observe=True),  # (its step-10 one to DDP)
     "fsdp4": Run("fsdp", [*PARITY, *BLOCKS]),
     # checkpointing, in fp32 and in bf16: the reference's first 10 steps
@@ -113,7 +114,7 @@ def baby_gpt():
     return build_model(model="gpt", seed=0, dropout=0.0, heads=0, kv_heads=0, vocab_size=128, seq_len=SEQ_LEN)
 
 
-@pytest.mark.parametrize("name", PARITY_RUNS)
+@pytest.mark.parametrize("name", tiered(PARITY_RUNS, POOLED))
 def test_ddp_and_fsdp_follow_one_process(runs, name):
     assert len(losses(runs / name)) == (10 if name.endswith("-ac") else STEPS)
     assert_follows(runs / name, runs / "ref", **FOLLOWS)
