@@ -20,9 +20,9 @@ from typing import Any, Sequence
 from bench.launches import Parser, launch_and_read
 from runner.entry import fail, require_torch
 
-MODELS = {"cnn": ("baby", "large", "7b"), "vit": ("baby", "large", "b16")}
-NAMES = {"cnn": "BabyCNN", "vit": "BabyViT"}
-FSDP = {"cnn": "fsdp full, a unit per layer", "vit": "fsdp full, a unit per block"}  # the planner's variant names
+MODELS = {"cnn": ("baby", "large", "7b"), "vit": ("baby", "large", "b16"), "gpt": ("baby", "medium", "llama3-8b")}
+NAMES = {"cnn": "BabyCNN", "vit": "BabyViT", "gpt": "BabyGPT"}
+FSDP = {"cnn": "fsdp full, a unit per layer"} | dict.fromkeys(("vit", "gpt"), "fsdp full, a unit per block")
 VARIANTS = ("ddp", "fsdp", "fsdp x tp", "pipeline 1f1b")
 RANKS, PER_RANK, DEVICE_BYTES = 8, 32, 80e9  # one 8-GPU node, the suite's samples per rank, an 80 GB GPU
 CPU_PROCS, MEASURED_SIZES = 4, ("baby",)
@@ -40,7 +40,7 @@ def variant_name(model: str, variant: str) -> str:
 def layout(cfg: Any, world_size: int) -> str:
     """A variant's layout in a few words: FSDP's units, TP's degree and its FSDP replicas, a pipeline's stages."""
     if cfg.strategy == "fsdp":
-        return "FSDP, a unit per " + ("block" if cfg.model == "vit" else "layer")
+        return "FSDP, a unit per " + ("layer" if cfg.model == "cnn" else "block")
     replicas = f" × FSDP {cfg.dp}" if cfg.dp > 1 else ""  # the replicas of TP or of a pipeline shard (FSDP, --dp)
     if cfg.strategy == "tp":
         return f"TP {world_size // cfg.dp}{replicas}"
