@@ -3,7 +3,7 @@ attention over the whole sequence (output and dq, dk, dv; the head and tail chun
 inverse), on rings of 4 and of 2; CP on 2 and 4 ranks and FSDP x CP (2 replicas x 2-way CP) against one process step
 by step over 20 steps at --seq-len 1024, with the same hits at evaluation (the logits put back by ring.gather); the
 ring's sends per step, counted by the profiler, equal to what the shapes predict (and twice the forward's with
-activation checkpointing); a CP run resumed bit for bit; a CP checkpoint continued by FSDP and FSDP's by FSDP x CP on
+activation checkpointing); a CP run resumed bit for bit; a CP checkpoint continued by FSDP and FSDP's by CP on
 the same curve; bad input refused before torchrun; on 2+ CUDA GPUs, torch's own context parallelism against the
 ring."""
 
@@ -65,9 +65,9 @@ POOLED = {
     # resumed at step 6 of 12 in a fresh wrap, from a copy of the run as it stood then
     "exact": Run("cp", EXACT, nproc=2),
     "exact-resumed": Run("cp", [*EXACT, "--resume"], nproc=2, rewound_from=("cp/exact", 6)),
-    # CP's 2-rank checkpoint of step 10 continued by FSDP on 2 ranks, and that run's of step 15 by FSDP x CP on 4
+    # CP's 2-rank checkpoint of step 10 continued by FSDP on 2 ranks, and that run's of step 15 by CP on 2
     "fsdp-from-cp": Run("fsdp", [*CROSS, *BLOCKS, "--resume"], nproc=2, rewound_from=("cp/cp2", 10)),
-    "cp-from-fsdp": Run("cp", [*CROSS, "--dp", "2", "--resume"], rewound_from=("cp/fsdp-from-cp", 15)),
+    "cp-from-fsdp": Run("cp", [*CROSS, "--resume"], nproc=2, rewound_from=("cp/fsdp-from-cp", 15)),
 }
 MESH = {"cp2": (1, 2), "cp4": (1, 4), "fsdp-x-cp": (2, 2), "cp2-ac": (1, 2)}  # (dp, cp)
 
@@ -207,12 +207,12 @@ def test_a_resumed_cp_run_repeats_the_run_bit_for_bit(runs):
     "name, source, step, strategy, mesh",
     [
         ("fsdp-from-cp", "cp2", 10, "fsdp", {"shard": 2}),
-        ("cp-from-fsdp", "fsdp-from-cp", 15, "cp", {"dp": 2, "cp": 2}),
+        ("cp-from-fsdp", "fsdp-from-cp", 15, "cp", {"dp": 1, "cp": 2}),
     ],
 )
 def test_checkpoints_cross_between_cp_and_fsdp_on_the_same_curve(runs, name, source, step, strategy, mesh):
     """CP's checkpoint (FSDP's format: DCP shards over every rank) continued by FSDP on 2 ranks after step 10, and
-    that run's after step 15 by FSDP x CP on 4 (DCP reshards it): each resumes (its line, the records before kept)
+    that run's after step 15 by CP on 2: each resumes (its line, the records before kept)
     and goes on along the one-process curve."""
     assert_resumed(runs / name, step, printed(runs / name), source=runs / source)
     run = read_run(runs / name)
