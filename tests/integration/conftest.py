@@ -153,6 +153,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     config.stash[DROPPED] = dropped
     for item in items:
         params = {f"{prefix(item.module)}/{v}" for v in getattr(getattr(item, "callspec", None), "params", {}).values()}
+        if uses_pool(item) and (left := params & config.stash[HEAVY_LEFT]) and not item.get_closest_marker("heavy"):
+            # (else it fails after the launches, on a run.json never written)
+            raise pytest.UsageError(f"{item.nodeid} reads the heavy run {min(left)}: parametrize it with tiered()")
         if uses_pool(item) and (need := next((dropped[p] for p in params if p in dropped), None)):
             (major, minor), what, _ = need
             item.add_marker(pytest.mark.skip(reason=f"{what} needs torch >= {major}.{minor} (docs/versions.md)"))

@@ -7,15 +7,15 @@ import pytest
 
 from common.cli import parse_config
 from common.versions import NEEDS_PLANNER
-from tests.helpers import needs_torch, read_run
+from tests.helpers import needs_torch, read_run, tiered
 from tests.integration.test_gpt import POOLED as GPT_RUNS
 
 pytestmark = needs_torch(NEEDS_PLANNER)  # every test here plans
 
-POOLED = {name: GPT_RUNS[name] for name in ("ddp4", "fsdp4", "fsdp2-bf16-ac")}
+POOLED = {name: GPT_RUNS[name] for name in ("ddp2", "ddp4", "fsdp4", "fsdp2-bf16-ac")}
 
 
-@pytest.mark.parametrize("name", POOLED)
+@pytest.mark.parametrize("name", tiered(POOLED, POOLED))  # (DDP on 4 is the heavy tier's)
 def test_each_rank_holds_the_planned_state_to_the_byte(pool, name):
     from planner.measure import plan_rank
 
