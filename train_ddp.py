@@ -87,6 +87,7 @@ def train(cfg: Config, env: DistEnv) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     log(f"{type(model).__name__} {cfg.model_size}: {n_params:,} parameters")
     torch.manual_seed(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
+    moes = model.moes() if cfg.experts else []  # --experts: BabyGPT's MoE layers, whose balance losses join the loss
     comm_hook = None
     if cfg.allreduce == "ring":
         from common.ring import ring_hook as comm_hook  # only with the flag: the ring all-reduce written out
@@ -137,7 +138,7 @@ def train(cfg: Config, env: DistEnv) -> None:
             with nullcontext() if is_last else model.no_sync():  # [DDP]
                 with autocast(cfg, env.device), recorder.span("forward"):
                     # divided by the accumulation steps, the summed gradients are those of the chunk mean
-                    loss = loss_fn(model(x), y) / cfg.grad_accum_steps
+                    loss = (loss_fn(model(x), y) + sum(moe.aux for moe in moes)) / cfg.grad_accum_steps
                 # [DDP] the gradient all-reduce runs inside backward: "gloo:all_reduce" in the trace
                 with recorder.span("backward"):
                     scaler.scale(loss).backward()

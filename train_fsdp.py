@@ -63,12 +63,14 @@ def apply_fsdp(
     offload: bool = False,
     activation_checkpointing: bool = False,
     compile: bool = False,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """[FSDP] The wrap: `fully_shard` on each of `units` (a module, or a list of layers sharded together), then on
     the root for the rest, over `mesh`. `param_dtype` (bf16, fp16): compute in it, keep fp32 shards and reduce
     gradients in fp32; `reshard_after_forward=False` keeps the gathered parameters for backward (ZeRO-2);
-    `offload`: shards, gradients and optimizer state in CPU memory. Returns the model to train (in a checkpoint
-    wrapper with `activation_checkpointing`). python -m planner shards with it too."""
+    `offload`: shards, gradients and optimizer state in CPU memory; `ignored_params`: left to the caller (train_ep.py's
+    experts). Returns the model to train (in a checkpoint wrapper with `activation_checkpointing`). python -m planner
+    shards with it too."""
     if activation_checkpointing:
         # [FSDP] Keep only each block's input for backward and recompute its activations there (a second forward),
         # wrapped before sharding, as torchtitan orders them; a model of layer lists is one span, checkpointed whole.
@@ -84,7 +86,7 @@ def apply_fsdp(
     # units hand each other param_dtype, the root returns fp32 logits for the loss
     mixed = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
-    shard = dict(mesh=mesh, mp_policy=mixed, offload_policy=offload_policy)
+    shard = dict(mesh=mesh, mp_policy=mixed, offload_policy=offload_policy, ignored_params=ignored_params)
     if compile:
         # [FSDP] Compile before sharding. FSDP2's hooks (all-gather before a unit, reduce-scatter after its
         # backward) are marked for dynamo to leave out, so the graph breaks at each unit's boundary: a graph
@@ -135,6 +137,7 @@ def train(cfg: Config, env: DistEnv) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     log(f"{type(model).__name__} {cfg.model_size}: {n_params:,} parameters")
     torch.manual_seed(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
+    moes = model.moes() if cfg.experts else []  # --experts: BabyGPT's MoE layers, whose balance losses join the loss
     # [FSDP] The flags as the wrap's arguments: hybrid shards over 2 rows of world/2 ranks, none over 1 (NO_SHARD);
     # --shard-units blocks: a unit per block (the model's own), model: the root alone (fewest collectives)
     replicas = {"full": 1, "grad-op": 1, "hybrid": 2, "none": env.world_size}[cfg.sharding]
@@ -183,7 +186,7 @@ def train(cfg: Config, env: DistEnv) -> None:
             model.set_requires_gradient_sync(is_last)  # [FSDP] no reduce-scatter until the last accumulation step
             with recorder.span("forward"):  # [FSDP] each unit's all-gather shows inside it: "FSDP::all_gather"
                 # divided by the accumulation steps, the summed gradients are those of the chunk mean
-                loss = loss_fn(model(x), y) / cfg.grad_accum_steps
+                loss = (loss_fn(model(x), y) + sum(moe.aux for moe in moes)) / cfg.grad_accum_steps
             with recorder.span("backward"):  # [FSDP] the reduce-scatter shows as "FSDP::post_backward_reduce"
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()

@@ -37,14 +37,18 @@ def build_parser(strategy: str) -> argparse.ArgumentParser:
     docs = _field_docs()
     parser = _Parser(
         prog=f"train_{strategy}.py",
-        description=f"Train {'BabyGPT' if strategy == 'cp' else 'BabyCNN, BabyViT or BabyGPT'} by {strategy.upper()}.",
+        description=f"Train {'BabyGPT' if strategy in ('cp', 'ep') else 'BabyCNN, BabyViT or BabyGPT'} by "
+        f"{strategy.upper()}.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     for f in fields(Config):
         if not f.metadata.get("cli", True) or strategy not in STRATEGY_FLAGS.get(f.name, STRATEGIES):
             continue
         flag = "--" + f.name.replace("_", "-")
-        default = "gpt" if (strategy, f.name) == ("cp", "model") else f.default  # CP exists for language models
+        # CP and EP exist for language models (EP for a mixture of experts: 8, Mixtral's count)
+        default = {("cp", "model"): "gpt", ("ep", "model"): "gpt", ("ep", "experts"): 8}.get(
+            (strategy, f.name), f.default
+        )
         if f.type in ("bool", bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=docs[f.name])
         else:

@@ -28,11 +28,11 @@ MODEL_DEFAULTS = {
 }
 IMAGE_DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10")
 TEXT_DATASETS = ("copy", "text")  # BabyGPT's: the built-in copy task, a --data-file
-GPT_FLAGS = ("seq_len", "kv_heads", "data_file")  # flags of BabyGPT alone
+GPT_FLAGS = ("seq_len", "kv_heads", "data_file", "experts")  # flags of BabyGPT alone
 OPTIMIZERS = ("sgd", "adamw")
 SHARDINGS = ("full", "grad-op", "hybrid", "none")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
-STRATEGIES = ("ddp", "fsdp", "pippy", "tp", "cp")
+STRATEGIES = ("ddp", "fsdp", "pippy", "tp", "cp", "ep")
 BATCH_TOO_BIG = "the global batch {} is larger than the training set ({} samples); use a smaller batch or more data"
 PREEMPT_SIGNALS = ("USR1", "USR2")  # SIGTERM is always one; SIGINT (Ctrl-C) stops at once, without a checkpoint
 CHOICES = {  # flag -> (what it names, its values)
@@ -60,6 +60,9 @@ ZERO_MEANS = {
     "heads": "the size's own",
     "kv_heads": "as many as --heads, or the size's own",
     "seq_len": "the model's own",
+    "experts": "dense",
+    "top_k": "2, or 1 with one expert",
+    "ep": "every rank",
     "max_steps": "no limit",
     "warmup_steps": "none",
     "eval_every": "only at the end",
@@ -102,6 +105,18 @@ class Config:
     kv_heads: int = 0
     """gpt: key/value heads per block, each shared by --heads / --kv-heads query heads (0: as many as --heads if
     given, else the size's own); they must divide --heads."""
+    experts: int = 0
+    """gpt: a mixture of experts: this many SwiGLU experts in each block in place of its MLP, each token routed
+    to --top-k of them (0: dense; docs/moe.md)."""
+    top_k: int = 0
+    """--experts: the experts each token runs through, weighed by the router's renormalised scores (0: 2)."""
+    shared_expert: bool = False
+    """--experts: also a shared expert that every token runs through (DeepSeek's)."""
+    capacity_factor: float = 0.0
+    """--experts: a sequence sends each expert at most ceil(factor x seq-len x top-k / experts) tokens, the rest
+    dropped and counted (0: dropless)."""
+    aux_loss_coef: float = 0.01
+    """--experts: the weight of the balance loss (1 when a sequence spreads its tokens evenly) in the loss."""
 
     # --- schedule ---
     epochs: int = 0
@@ -176,6 +191,8 @@ class Config:
     """TP, --model vit: LayerNorms and residual stream on a share of the tokens per TP rank (docs/tp.md)."""
     cp_attention: str = "ring"
     """CP: ring (written out in common/ring_attention.py, any device) or torch (PyTorch's context_parallel: CUDA)."""
+    ep: int = 0
+    """EP: ranks the experts are spread over (0: every rank); the world size / --ep groups hold a copy each."""
 
     # --- output, logging, checkpoints ---
     out: str = ""
@@ -214,6 +231,8 @@ class Config:
     strategy: str = dataclasses.field(default="ddp", metadata={"cli": False})
 
     def __post_init__(self) -> None:  # what the model trains with where a flag was left at 0 or auto
+        if self.experts and not self.top_k:
+            self.top_k = min(2, self.experts)  # (Mixtral's 2 of 8)
         if self.data_file and self.dataset == "auto":
             self.dataset = "text"  # --data-file says which data set
         for name, own in MODEL_DEFAULTS.get(self.model, MODEL_DEFAULTS["cnn"]).items():
@@ -247,6 +266,9 @@ class Config:
         power = self.loss_scale >= 1 and math.log2(self.loss_scale).is_integer()  # (False for inf and nan)
         need(power, "loss-scale", f"must be a power of two, 1 or more (e.g. 65536), got {self.loss_scale}")
         need(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), got {self.dropout}")
+        from common.moe_checks import check_moe  # --experts and its flags (common/moe_checks.py: no torch)
+
+        check_moe(self, world_size=world_size)
         from common.versions import check_torch  # the installed torch: read from its metadata, not imported
 
         check_torch(self.strategy, tp=self.tp, schedule=self.schedule)
@@ -314,6 +336,10 @@ class Config:
         """build_model's arguments from the flags (the data set gives the images' shape, or the vocabulary and the
         sequences' length)."""
         own = {"vit": {"patch_size": self.patch_size}, "gpt": {"kv_heads": self.kv_heads}}.get(self.model, {})
+        if self.experts:  # common/moe.py's MoE in every block
+            names = ("experts", "top_k", "capacity_factor")
+            moe = {name: getattr(self, name) for name in names} | {"shared": self.shared_expert}
+            own |= {"moe": moe | {"aux_coef": self.aux_loss_coef}}
         own |= {"heads": self.heads} if self.model != "cnn" else {}
         return {"model": self.model, "size": self.model_size, "seed": self.seed, "dropout": self.dropout, **own}
 
@@ -373,4 +399,5 @@ STRATEGY_FLAGS = {
     "dp": ("pippy", "tp", "cp"),
     "sequence_parallel": ("tp",),
     "cp_attention": ("cp",),
+    "ep": ("ep",),
 }

@@ -77,12 +77,19 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """A pre-norm decoder block: x + attention(RMSNorm(x)), then + SwiGLU(RMSNorm(x))."""
+    """A pre-norm decoder block: x + attention(RMSNorm(x)), then + SwiGLU(RMSNorm(x)), or with `moe` (the MoE's
+    arguments: common/moe.py) + a mixture of experts(RMSNorm(x))."""
 
-    def __init__(self, width: int, heads: int, kv_heads: int, mlp: int, dropout: float) -> None:
+    def __init__(self, width: int, heads: int, kv_heads: int, mlp: int, dropout: float, moe: dict | None) -> None:
         super().__init__()
         self.norm1, self.attn = nn.RMSNorm(width, eps=1e-5), Attention(width, heads, kv_heads)
-        self.norm2, self.mlp = nn.RMSNorm(width, eps=1e-5), SwiGLU(width, mlp, dropout)
+        self.norm2 = nn.RMSNorm(width, eps=1e-5)
+        if moe:
+            from common.moe import MoE  # only with --experts
+
+            self.mlp: nn.Module = MoE(width, mlp, **moe, dropout=dropout)
+        else:
+            self.mlp = SwiGLU(width, mlp, dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -114,17 +121,21 @@ class BabyGPT(nn.Sequential):
         dropout: float = 0.0,
         heads: int = 0,
         kv_heads: int = 0,
+        moe: dict | None = None,
     ) -> None:
         shape = GPT_SIZES[size]
         vocab = shape.vocab or vocab_size  # a published shape's own, else the data's
         heads, kv_heads = gpt_heads(size, heads, kv_heads)
-        blocks = [(f"block{i}", Block(shape.width, heads, kv_heads, shape.mlp, dropout)) for i in range(shape.depth)]
+        # `moe` (--experts): every block's MLP a mixture of experts, each as wide as the dense MLP (common/moe.py)
+        blocks = [
+            (f"block{i}", Block(shape.width, heads, kv_heads, shape.mlp, dropout, moe)) for i in range(shape.depth)
+        ]
         embed = nn.Embedding(vocab, shape.width)
         super().__init__(OrderedDict([("embed", embed), *blocks, ("head", Head(shape.width, vocab))]))
         self.seq_len, self.tied = seq_len, shape.tied
         for name, p in self.named_parameters():  # GPT-2's: N(0, 0.02), the residual projections scaled by depth
-            if p.dim() == 2:
-                residual = name.endswith(("attn.o.weight", "mlp.down.weight"))
+            if p.dim() >= 2:  # (an MoE's experts: [E, D, H] stacked matrices)
+                residual = name.endswith(("attn.o.weight", "mlp.down.weight", "experts.down", "shared.down"))
                 nn.init.normal_(p, std=0.02 / (2 * shape.depth) ** 0.5 if residual else 0.02)
         if shape.tied:  # GPT-2 scores tokens with its embedding (DDP and FSDP only: a pipeline or TP splits them)
             self.head.out.weight = self.embed.weight
@@ -136,6 +147,13 @@ class BabyGPT(nn.Sequential):
     def attentions(self) -> list[Attention]:
         """Every block's attention: what context parallelism (train_cp.py) gives its ring."""
         return [module for module in self.modules() if isinstance(module, Attention)]
+
+    def moes(self) -> list:
+        """Every block's mixture of experts (--experts; none in a dense model): their balance losses join the
+        loss (common/moe.py's aux_loss), and expert parallelism (train_ep.py) spreads their experts."""
+        from common.moe import MoE
+
+        return [module for module in self.modules() if isinstance(module, MoE)]
 
     def tp_plan(self, sequence_parallel: bool = False, loss_parallel: bool = True) -> dict[str, ParallelStyle]:
         """Megatron's split of every block: q, k and v by columns (each TP rank its heads and key/value heads),

@@ -89,10 +89,13 @@ class RunRecorder:
                 self.peak.starts(step)
             yield step
 
-    def train(self, step: int, *, loss: float, lr: float, grad_norm: float, scaler: NoLossScaling) -> None:
+    def train(
+        self, step: int, *, loss: float, lr: float, grad_norm: float, scaler: NoLossScaling, **extra: object
+    ) -> None:
         """Record optimizer step `step`, whose time ends here. A non-finite loss raises FloatingPointError (the
         loss is reduced over all ranks, so every rank stops together); fp16's records add the loss scale and
-        whether the step was skipped (its gradients overflowed: grad_norm null)."""
+        whether the step was skipped (its gradients overflowed: grad_norm null); `extra` joins the record
+        (train_ep.py's routing)."""
         step_time_s = time.perf_counter() - self.step_started
         check_finite(loss, step)
         fp16 = {"loss_scale": scaler.used, "skipped": scaler.skipped} if scaler.enabled else {}
@@ -111,6 +114,7 @@ class RunRecorder:
             **(self.throughput.rates(samples / step_time_s) if self.throughput else {}),  # tokens/s, MFU
             "step_time_s": step_time_s,
             **fp16,
+            **extra,
         }
         with self.span("metrics"):  # the profiled step includes what recording it costs
             self._write(self.last_train)

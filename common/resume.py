@@ -18,6 +18,7 @@ TRAJECTORY = (
     *("dataset", "data_file", "train_size", "test_size", "seq_len", "seed", "batch_size"),  # which samples, in order
     *("optimizer", "lr", "weight_decay", "warmup_steps", "lr_schedule", "min_lr", "max_grad_norm"),  # the update
     *("model", "model_size", "patch_size", "heads", "kv_heads", "dropout"),  # the model
+    *("experts", "top_k", "shared_expert", "capacity_factor", "aux_loss_coef"),  # its mixture of experts
     *("precision", "loss_scale", "loss_scale_growth_interval"),  # its arithmetic
 )
 # Settings a resume may change, said once: the layout (a DCP checkpoint loads into any), the length (a decaying
@@ -27,7 +28,7 @@ MAY_CHANGE = (
     *("strategy", "allreduce", "sharding", "shard_units", "cpu_offload", "activation_checkpointing"),
     *("schedule", "n_microbatches", "stages_per_rank", "dp", "tp", "sequence_parallel", "grad_accum_steps"),
     *("epochs", "max_steps", "log_every", "eval_every", "checkpoint_every", "keep"),
-    *("compile", "profile_steps", "memory_snapshot", "tensorboard", "measure_peak", "cp_attention"),
+    *("compile", "profile_steps", "memory_snapshot", "tensorboard", "measure_peak", "cp_attention", "ep"),
 )
 # Settings that are where and how this launch runs, not what it trains: they change silently.
 FREE = ("data_dir", "out", "resume", "device", "threads", "timeout_s", "preempt_signal")

@@ -71,11 +71,11 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "fsdp-unit-mixed-precision": (  # the blocks' policy
         "train_fsdp.py",
-        "shard = dict(mesh=mesh, mp_policy=mixed, offload_policy=offload_policy)",
+        "shard = dict(mesh=mesh, mp_policy=mixed, offload_policy=offload_policy, ignored_params=ignored_params)",
         # (fp32 inside the blocks, bf16 handed back to the root, which a plain MixedPrecisionPolicy() would not do:
         # the root's bf16 input then meets fp32 weights and the training crashes instead of being caught)
         "shard = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, output_dtype=param_dtype), "
-        "offload_policy=offload_policy)",
+        "offload_policy=offload_policy, ignored_params=ignored_params)",
         ["tests/integration/test_vit.py", "-k", "recomputes"],
     ),
     "compile": (
@@ -116,8 +116,8 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "accumulation-scale": (
         "train_ddp.py",
-        "loss = loss_fn(model(x), y) / cfg.grad_accum_steps",
-        "loss = loss_fn(model(x), y)",
+        "loss = (loss_fn(model(x), y) + sum(moe.aux for moe in moes)) / cfg.grad_accum_steps",
+        "loss = (loss_fn(model(x), y) + sum(moe.aux for moe in moes))",
         ["tests/integration/test_ddp.py", "-k", "accumulation"],
     ),
     "accumulation-sync-ddp": (  # every chunk's backward all-reduces: the same loss, 4 times the reductions
