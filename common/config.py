@@ -393,7 +393,7 @@ class Config:
 STRATEGY_FLAGS = {
     "allreduce": ("ddp",),
     **dict.fromkeys(("sharding", "shard_units", "cpu_offload"), ("fsdp",)),
-    "activation_checkpointing": ("fsdp", "cp"),
+    "activation_checkpointing": ("fsdp", "cp", "ep"),  # (train_ep.py wraps its blocks as FSDP does)
     **dict.fromkeys(("schedule", "n_microbatches", "stages_per_rank"), ("pippy",)),
     "tp": ("pippy", "cp"),  # (CP: to refuse it in one line, saying why)
     "dp": ("pippy", "tp", "cp"),
