@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from common.config import Config
 from common.errors import ConfigError
+from common.gpt_sizes import GPT_SIZES
 from common.model_sizes import (
     Layer,
     blocks,
@@ -39,7 +40,8 @@ def planned_peak_bytes(cfg: Config, world_size: int) -> int:
     its largest unit gathered whole (parameters and gradients; grad-op keeps every unit's parameters gathered;
     FSDP x TP gathers a TP rank's part of the model);
     a pipeline rank holds its stages, with as many micro-batches in flight as the ranks after it; and every rank
-    the activations of its share of the batch (CP: of 1/cp of its replica's sequences, its parameters FSDP's)."""
+    the activations of its share of the batch (CP: of 1/cp of its replica's sequences, its parameters FSDP's;
+    EP: the dense parts FSDP's over every rank, the routed experts' state divided by --ep)."""
     model = model_layers(cfg)
     names = [layer.name for layer in model]
     params = sum(layer.params for layer in model)
@@ -64,7 +66,7 @@ def planned_peak_bytes(cfg: Config, world_size: int) -> int:
         kept_by_layer |= {f"block{i}": int(whole + split / tp) for i in range(shape.depth)}
         kept_by_layer["head"] = int(kept_by_layer["head"] - t * gpt_vocab(cfg.model_size, cfg.dataset) * (1 - 1 / tp))
     per_sample = 4 * sum(kept_by_layer.values())  # fp32 activations kept for backward
-    if cfg.model in ("vit", "gpt") and cfg.strategy in ("fsdp", "cp") and cfg.activation_checkpointing:
+    if cfg.model in ("vit", "gpt") and cfg.strategy in ("fsdp", "cp", "ep") and cfg.activation_checkpointing:
         # each block keeps its input (tokens x width, the embedding's output); one block's activations at a time
         kept = sum(model[0].outputs for layer in model if layer.name.startswith("block"))
         per_sample = 4 * (kept + max(layer.outputs for layer in model))
@@ -97,6 +99,15 @@ def planned_peak_bytes(cfg: Config, world_size: int) -> int:
         return state * local // cfg.dp + 8 * int(max(units)) + batch  # the largest unit gathered, its gradients
     if cfg.strategy == "ddp" or cfg.sharding == "none":
         return state * params + batch
+    if cfg.strategy == "ep":
+        # An estimate kept simple (not the planner's): the routed experts' state divided by --ep (all of it where a
+        # rank holds its experts, replicated over the groups), the rest FSDP's over every rank with a block gathered
+        # (its parameters, then its gradients); the activations as FSDP's, the tokens a rank's experts receive
+        # counted as the ones it sends (even routing: uneven routing makes a busy rank hold more)
+        routed = expert_params(cfg) * sum(name.startswith("block") for name in names)
+        ep = cfg.ep or world_size
+        unit = max(layer.params for layer in model if layer.name.startswith("block")) - expert_params(cfg)
+        return state * (params - routed) // world_size + state * routed // ep + 8 * unit + batch
     shards = world_size // 2 if cfg.sharding == "hybrid" else world_size
     by_layer = {layer.name: layer.params for layer in model}
     block = max(sum(by_layer[name] for name in names) for names in blocks(cfg.model_size, cfg.model))
@@ -106,10 +117,37 @@ def planned_peak_bytes(cfg: Config, world_size: int) -> int:
 
 
 def model_layers(cfg: Config) -> list[Layer]:
-    """The model's layers as model_sizes counts them, BabyGPT's at the run's --seq-len."""
+    """The model's layers as model_sizes counts them, BabyGPT's at the run's --seq-len (with --experts on a dense
+    size, its blocks' MLP replaced by the mixture: `moe_block`)."""
     if cfg.model == "gpt":
-        return gpt_layers(cfg.model_size, cfg.dataset, cfg.seq_len)
+        model = gpt_layers(cfg.model_size, cfg.dataset, cfg.seq_len)
+        if cfg.experts and not getattr(GPT_SIZES[cfg.model_size], "experts", 0):  # (a size with experts counts its own)
+            params, kept = moe_block(cfg)
+            model = [
+                replace(layer, params=layer.params + params, outputs=layer.outputs + kept)
+                if layer.name.startswith("block")
+                else layer
+                for layer in model
+            ]
+        return model
     return layers(cfg.model_size, cfg.dataset, cfg.model)
+
+
+def expert_params(cfg: Config) -> int:
+    """One block's routed experts (--experts of them, each a SwiGLU as wide as the size's MLP): what EP divides."""
+    shape = GPT_SIZES[cfg.model_size]
+    return cfg.experts * 3 * shape.width * (getattr(shape, "expert_mlp", 0) or shape.mlp) if cfg.experts else 0
+
+
+def moe_block(cfg: Config) -> tuple[int, int]:
+    """What --experts adds to a dense block of BabyGPT (common/moe.py): parameters (the router, the experts and a
+    --shared-expert in place of the MLP) and values kept per sequence (the router's scores, and each token's
+    top-k experts' SwiGLU, plus the shared one's, in place of the MLP's)."""
+    shape, t = GPT_SIZES[cfg.model_size], cfg.seq_len
+    dense = 3 * shape.width * shape.mlp
+    params = shape.width * cfg.experts + expert_params(cfg) + cfg.shared_expert * dense - dense
+    kept = t * (cfg.experts + (cfg.top_k + cfg.shared_expert - 1) * 3 * shape.mlp)
+    return params, kept
 
 
 MB_PER_MIB = 2**20 / 1e6  # the runners measure in MiB and print MB and GB (10^6, 10^9 bytes), as the planner
@@ -168,9 +206,14 @@ def check_memory(cfg: Config, *, nproc: int, world_size: int, on_cpu: bool) -> N
         )
     instead = _what_fits(cfg, nproc=nproc, world_size=world_size, on_cpu=on_cpu, have=have, runtime=runtime)
     each = f"{nproc} processes x ~{gb(need_mib)}" if on_cpu else f"~{gb(need_mib)} per GPU"
-    strategy = {"ddp": "DDP", "fsdp": f"FSDP {cfg.sharding}", "pippy": "the pipeline", "tp": "TP", "cp": "CP"}[
-        cfg.strategy
-    ]
+    strategy = {
+        "ddp": "DDP",
+        "fsdp": f"FSDP {cfg.sharding}",
+        "pippy": "the pipeline",
+        "tp": "TP",
+        "cp": "CP",
+        "ep": "EP",
+    }[cfg.strategy]
     raise ConfigError(
         f"--model-size {cfg.model_size}: {strategy} on {world_size} ranks needs {each} (its training state and the "
         f"peak of a step, as python -m planner plans it, and the runtime) but {gb(have)} {where}; {instead}"
