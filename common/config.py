@@ -231,6 +231,11 @@ class Config:
     strategy: str = dataclasses.field(default="ddp", metadata={"cli": False})
 
     def __post_init__(self) -> None:  # what the model trains with where a flag was left at 0 or auto
+        from common.gpt_sizes import GPT_SIZES  # (no torch)
+
+        shape = GPT_SIZES.get(self.model_size) if self.model == "gpt" else None
+        if shape and shape.experts and not self.experts:  # a size with experts (Mixtral's): its own, unless flagged
+            self.experts, self.top_k, self.shared_expert = shape.experts, self.top_k or shape.top_k, shape.shared
         if self.experts and not self.top_k:
             self.top_k = min(2, self.experts)  # (Mixtral's 2 of 8)
         if self.data_file and self.dataset == "auto":

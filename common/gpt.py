@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from common.gpt_sizes import GPT_SIZES, gpt_heads
+from common.gpt_sizes import GPT_SIZES, gpt_heads, gpt_moe
 
 ROPE_THETA = 10000.0  # rotary positions' base (Llama 3 uses 500,000 for its 8,192-token context; ours are short)
 
@@ -126,10 +126,11 @@ class BabyGPT(nn.Sequential):
         shape = GPT_SIZES[size]
         vocab = shape.vocab or vocab_size  # a published shape's own, else the data's
         heads, kv_heads = gpt_heads(size, heads, kv_heads)
-        # `moe` (--experts): every block's MLP a mixture of experts, each as wide as the dense MLP (common/moe.py)
-        blocks = [
-            (f"block{i}", Block(shape.width, heads, kv_heads, shape.mlp, dropout, moe)) for i in range(shape.depth)
-        ]
+        # `moe` (--experts): every block's MLP a mixture of experts, each as wide as the dense MLP (common/moe.py);
+        # a size with experts (Mixtral's) has its own, and its experts' width
+        moe = moe or gpt_moe(shape)
+        hidden = (shape.expert_mlp or shape.mlp) if moe else shape.mlp
+        blocks = [(f"block{i}", Block(shape.width, heads, kv_heads, hidden, dropout, moe)) for i in range(shape.depth)]
         embed = nn.Embedding(vocab, shape.width)
         super().__init__(OrderedDict([("embed", embed), *blocks, ("head", Head(shape.width, vocab))]))
         self.seq_len, self.tied = seq_len, shape.tied

@@ -1,6 +1,7 @@
 """BabyGPT's sizes, loaded only with --model gpt: --model-size -> GptShape. The first three train here on the built-in
-language or a text file (their vocabulary is the data's); the published shapes (GPT-2 124M, Llama 3 8B, 70B, 405B)
-are for python -m planner, with their own vocabularies. No torch here: the runners check a size before torchrun."""
+language or a text file (their vocabulary is the data's); the published shapes (GPT-2 124M, Llama 3 8B, 70B, 405B,
+and the mixtures of experts Mixtral 8x7B, 8x22B and a DeepSeek-V3-shaped one) are for python -m planner, with their
+own vocabularies. No torch here: the runners check a size before torchrun."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ class GptShape(NamedTuple):
     context: int  # the longest --seq-len its rotary positions are meant for (the published context)
     vocab: int = 0  # 0: the data's (the built-in language's, or 256 bytes of a text file)
     tied: bool = False  # the output layer is the embedding (GPT-2); Llama's are two matrices
+    experts: int = 0  # a mixture of experts in every block in place of its MLP (common/moe.py); 0: dense
+    top_k: int = 0  # the experts each token is routed to (with experts)
+    expert_mlp: int = 0  # each expert's SwiGLU hidden width (0: mlp's, as Mixtral's and --experts on a dense size)
+    shared: bool = False  # also a shared expert of that width that every token runs through (DeepSeek's)
 
 
 GPT_SIZES = {
@@ -32,12 +37,24 @@ GPT_SIZES = {
     "llama3-8b": GptShape(4096, 32, 32, 8, 14336, 8192, vocab=128256),  # 8.03 B
     "llama3-70b": GptShape(8192, 80, 64, 8, 28672, 8192, vocab=128256),  # 70.6 B
     "llama3-405b": GptShape(16384, 126, 128, 8, 53248, 8192, vocab=128256),  # 405.9 B
+    # Mixtral (Mistral AI, 2024): Llama-style blocks, each MLP 8 SwiGLU experts of the dense width, 2 per token
+    "mixtral-8x7b": GptShape(4096, 32, 32, 8, 14336, 32768, vocab=32000, experts=8, top_k=2),  # 46.7 B
+    "mixtral-8x22b": GptShape(6144, 56, 48, 8, 16384, 65536, vocab=32768, experts=8, top_k=2),  # 140.6 B
+    # shaped like DeepSeek-V3 (256 routed experts of 2,048 + 1 shared, 8 per token, 61 blocks of width 7,168), not
+    # it: GQA with 8 key/value heads in place of its MLA attention, and every block a mixture where its first 3 are
+    # dense (of 18,432): 699.1 B against its published 671 B (+4 %), so no published count is claimed for it
+    "deepseek-v3-shaped": GptShape(
+        7168, 61, 128, 8, 18432, 131072, vocab=129280, experts=256, top_k=8, expert_mlp=2048, shared=True
+    ),
 }
 PUBLISHED_GPT = {  # size -> the parameter count its authors publish
     "gpt2-124m": 124_439_808,  # Radford et al. 2019, the 124 M checkpoint's count
     "llama3-8b": 8_030_261_248,  # Llama 3 model card (Meta, 2024): "8B", counted from the released weights
     "llama3-70b": 70_553_706_496,
     "llama3-405b": 405_853_388_800,
+    "mixtral-8x7b": 46_702_792_704,  # Mixtral 8x7B's release (Mistral AI, 2024), counted from the released weights
+    # Mixtral 8x22B's release (Mistral AI, 2024): "141B" (its Instruct v0.1's shape, vocabulary 32,768: 140.63 B)
+    "mixtral-8x22b": 141_000_000_000,
 }
 
 
@@ -47,13 +64,30 @@ def gpt_heads(size: str, heads: int = 0, kv_heads: int = 0) -> tuple[int, int]:
     return heads or GPT_SIZES[size].heads, kv_heads or heads or GPT_SIZES[size].kv_heads
 
 
+def gpt_moe(shape: GptShape) -> dict | None:
+    """common/moe.py's MoE arguments of a size with experts (dropless, the balance loss at --aux-loss-coef's
+    default), or None for a dense size: BabyGPT builds a published mixture of experts with no flags."""
+    if not shape.experts:
+        return None
+    own = {"experts": shape.experts, "top_k": shape.top_k, "shared": shape.shared}
+    return own | {"capacity_factor": 0.0, "aux_coef": 0.01}
+
+
+def expert_parameters(shape: GptShape, experts: int = 0) -> int:
+    """One block's experts (`experts`, 0: the shape's; routed, then the shared one): three matrices each."""
+    hidden = shape.expert_mlp or shape.mlp
+    return ((experts or shape.experts) + shape.shared) * 3 * shape.width * hidden
+
+
 def gpt_parameters(shape: GptShape, vocab: int) -> int:
     """Parameters of BabyGPT of `shape` over a vocabulary of `vocab` tokens (common/gpt.py builds the same): the
     embedding, per block two RMSNorms, q and the output projection (width x width), k and v (width x the key/value
-    heads' width) and SwiGLU's three matrices, then the final RMSNorm and the output layer (none if tied)."""
+    heads' width) and SwiGLU's three matrices (a mixture of experts: the router, width x experts, and every
+    expert's three), then the final RMSNorm and the output layer (none if tied)."""
     head_dim = shape.width // shape.heads
     attention = 2 * shape.width * shape.width + 2 * shape.width * shape.kv_heads * head_dim
-    block = attention + 3 * shape.width * shape.mlp + 2 * shape.width
+    mlp = shape.width * shape.experts + expert_parameters(shape) if shape.experts else 3 * shape.width * shape.mlp
+    block = attention + mlp + 2 * shape.width
     return vocab * shape.width * (1 if shape.tied else 2) + shape.depth * block + shape.width
 
 

@@ -54,6 +54,28 @@ def test_the_count_follows_heads_and_kv_heads():
         assert count(model) == gpt_parameters(shape._replace(heads=heads, kv_heads=kv_heads), COPY_VOCAB)
 
 
+def test_the_published_mixtures_of_experts_build_their_experts_and_their_counts():
+    # Mixtral 8x7B: 8 experts of 14,336 in each of 32 blocks, a router of width x 8; 46,702,792,704 exactly as its
+    # released weights; 8x22B within 1 % of its announced 141 B; DeepSeek-V3's shape, counted but not claimed
+    per_block = 2 * 4096**2 + 2 * 4096 * 1024 + 4096 * 8 + 8 * 3 * 4096 * 14336 + 2 * 4096
+    assert count(built("mixtral-8x7b")) == 32 * per_block + 2 * 32000 * 4096 + 4096 == 46_702_792_704
+    moe = built("mixtral-8x7b").block0.mlp
+    assert (moe.top_k, moe.router.out_features, moe.shared) == (2, 8, None)
+    assert moe.experts.gate.shape == (8, 4096, 14336) and moe.experts.down.shape == (8, 14336, 4096)
+    assert count(built("mixtral-8x22b")) == pytest.approx(141e9, rel=0.01)
+    deepseek = built("deepseek-v3-shaped").block0.mlp
+    assert deepseek.experts.gate.shape == (256, 7168, 2048) and deepseek.shared.up.shape == (1, 7168, 2048)
+    assert deepseek.top_k == 8 and count(built("deepseek-v3-shaped")) == 699_044_426_752
+    # the flags see the shape's experts (train_ep.py's checks, the planner), and --experts overrides them
+    cfg = Config(model="gpt", model_size="mixtral-8x7b")
+    assert (cfg.experts, cfg.top_k, cfg.model_kwargs()["moe"]["experts"]) == (8, 2, 8)
+    cfg = Config(model="gpt", model_size="mixtral-8x7b", experts=4, top_k=1)
+    with torch.device("meta"):
+        flagged = BabyGPT(size="mixtral-8x7b", moe=cfg.model_kwargs()["moe"]).block0.mlp
+    assert (flagged.router.out_features, flagged.top_k) == (4, 1)
+    assert Config(model="gpt", model_size="baby").experts == 0  # the trainable sizes stay dense
+
+
 # ------------------------------------------------------------------------------------------------ FLOPs (MFU)
 @pytest.mark.parametrize("size", list(GPT_SIZES))
 def test_flops_per_token_is_three_times_the_layers_forward(size):
