@@ -5,9 +5,9 @@
 RUN_DIR is a run folder of a model with --experts (train_ep.py writes "tokens_per_expert" [layers][experts] and
 "dropped" [layers] in each train record of metrics.jsonl, summed over every rank). The figure: a row per run, a
 panel per MoE layer, a line per expert (its share of the layer's assignments), the even share 1 / E dashed. The
-table, per run and layer: the most-loaded expert's share over the even share (1.00: balanced; E / k: all of every
-token's k choices on the same k experts) at the first and the last step, and the assignments dropped over capacity
-in the whole run (docs/moe.md).
+table, per run and layer: the most-loaded expert's share over the even share (1.00: balanced; E / k: every token
+chose it) at the first step, at its largest and at the last step, and the assignments dropped over capacity in the
+whole run (docs/moe.md).
 """
 
 from __future__ import annotations
@@ -80,16 +80,20 @@ def load_run(run_dir: str) -> Routing:
 
 
 def table(runs: Sequence[Routing]) -> str:
-    """Per run and layer: max share / even share at the first and last step, and the run's dropped assignments."""
-    lines = ["run | layer | max/even, first step | max/even, last step | dropped"]
+    """Per run and layer: max share / even share at the first step, at its largest and at the last step, and the
+    run's dropped assignments."""
+    lines = ["run | layer | max/even, first step | max/even, largest | max/even, last step | dropped"]
     for run in runs:
         first, last = run.steps[0], run.steps[-1]
         for layer in range(run.layers):
             (a, ea), (b, eb) = run.imbalance(0, layer), run.imbalance(-1, layer)
+            worst = max(range(len(run.steps)), key=lambda i: run.imbalance(i, layer)[0])  # (the first, on a tie)
+            (c, ec), at = run.imbalance(worst, layer), run.steps[worst]
             dropped = sum(step[layer] for step in run.dropped)
             assigned = sum(sum(step[layer]) for step in run.tokens)
             lines.append(
-                f"{run.path} | {layer} | {a:.2f} (expert {ea}, step {first}) | {b:.2f} (expert {eb}, step {last}) | "
+                f"{run.path} | {layer} | {a:.2f} (expert {ea}, step {first}) | {c:.2f} (expert {ec}, step {at}) | "
+                f"{b:.2f} (expert {eb}, step {last}) | "
                 f"{dropped} of {assigned} ({dropped / max(assigned, 1):.1%})"
             )
     return "\n".join(lines)

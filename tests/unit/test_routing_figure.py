@@ -44,10 +44,13 @@ def test_the_table_and_the_figure(tmp_path, capsys):
     assert main([str(tmp_path), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "run | layer | max/even, first step | max/even, last step | dropped"
+    assert lines[0] == "run | layer | max/even, first step | max/even, largest | max/even, last step | dropped"
     # layer 0: even at step 1, every assignment on expert 2 at step 3; layer 1: 160 of 400 x 4, 130 of 400 x 4
-    assert lines[1] == f"{tmp_path} | 0 | 1.00 (expert 0, step 1) | 4.00 (expert 2, step 3) | 0 of 1200 (0.0%)"
-    assert lines[2] == f"{tmp_path} | 1 | 1.60 (expert 0, step 1) | 1.30 (expert 0, step 3) | 20 of 1200 (1.7%)"
+    # (layer 1's largest: 200 of 400 x 4 at step 2)
+    first, largest, last = "1.00 (expert 0, step 1)", "4.00 (expert 2, step 3)", "4.00 (expert 2, step 3)"
+    assert lines[1] == f"{tmp_path} | 0 | {first} | {largest} | {last} | 0 of 1200 (0.0%)"
+    first, largest, last = "1.60 (expert 0, step 1)", "2.00 (expert 0, step 2)", "1.30 (expert 0, step 3)"
+    assert lines[2] == f"{tmp_path} | 1 | {first} | {largest} | {last} | 20 of 1200 (1.7%)"
     assert lines[3] == f"routing: {out}"
 
 
@@ -59,7 +62,7 @@ def test_several_runs_one_figure(tmp_path, capsys):
     assert main([str(a), str(b)]) == 0
     assert (a / "routing.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # by default beside the first run
     out = capsys.readouterr().out
-    assert f"{b} | 0 | 1.00 (expert 0, step 1) | 4.00 (expert 1, step 3)" in out
+    assert f"{b} | 0 | 1.00 (expert 0, step 1) | 4.00 (expert 1, step 3) | 4.00 (expert 1, step 3)" in out
 
 
 @pytest.mark.parametrize(
