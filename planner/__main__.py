@@ -73,7 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--model-size",
         help="the model's size (--model-size; default large, gpt's medium); the published ViTs at 224 x 224, "
-        "gpt's published shapes (gpt2-124m, llama3-8b, llama3-70b, llama3-405b) at their context",
+        "gpt's published shapes (gpt2-124m, llama3-8b, llama3-70b, llama3-405b) at their context; a mixture of "
+        "experts (mixtral-8x7b, mixtral-8x22b, deepseek-v3-shaped): FSDP against EP x FSDP (planner/moe.py)",
     )
     parser.add_argument("--world-sizes", default="1,4,64,1024", help="comma-separated numbers of ranks")
     parser.add_argument(
@@ -163,6 +164,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as e:
             fail(str(e))
     started = time.perf_counter()
+    if args.model == "gpt" and GPT_SIZES[args.model_size].experts:  # a mixture of experts: FSDP against EP x FSDP
+        from planner.moe import moe_plans, moe_table
+
+        if profile and profile.kind != "gpu":
+            fail(f"--profile: {profile.name} measured no all-to-all; an MoE's time is planned on a GPU's profile")
+        moe = moe_plans(args.model_size, world_sizes, tokens=per_rank_batch * seq_len, precision=args.precision)
+        print(moe_table(moe, profile))
+        return 0
     if args.published:  # the published trainings, each planned as it ran
         known = {p.name: p for p in PUBLISHED}
         names = list(known) if args.published == "all" else [n.strip() for n in args.published.split(",")]

@@ -59,6 +59,7 @@ BUS_FACTOR = {  # nccl-tests' busbw / algbw on n ranks: the share of the size ea
     "reduce_scatter": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
     "send": lambda n: 1.0,
+    "all_to_all": lambda n: (n - 1) / n,  # (expert parallelism's: each rank keeps 1 / n of what it sends)
 }
 
 
