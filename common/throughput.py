@@ -40,15 +40,22 @@ MFU_DEFINITION = (
 )
 
 
-def gpt_flops_per_token(size: str, *, vocab: int, seq_len: int, heads: int = 0, kv_heads: int = 0) -> int:
+def gpt_flops_per_token(
+    size: str, *, vocab: int, seq_len: int, heads: int = 0, kv_heads: int = 0, experts: int = 0, top_k: int = 0,
+    shared: bool = False,
+) -> int:  # fmt: skip
     """Training FLOPs per token of BabyGPT (forward and backward): 6 x N + 12 x depth x width x seq_len, N the
-    parameters of its matrix multiplies (MFU_DEFINITION)."""
+    parameters of its matrix multiplies (MFU_DEFINITION) that a token runs through: with `experts`, the router's
+    and its `top_k` experts' (and the shared one's), not the other experts'."""
     from common.gpt_sizes import GPT_SIZES, gpt_heads
 
     shape = GPT_SIZES[size]
     heads, kv_heads = gpt_heads(size, heads, kv_heads)
     kv_width = shape.width // heads * kv_heads
-    per_block = 2 * shape.width * shape.width + 2 * shape.width * kv_width + 3 * shape.width * shape.mlp
+    mlp = 3 * shape.width * shape.mlp
+    if experts:  # a mixture of experts: the router, then top_k experts' SwiGLUs (+ the shared expert's) per token
+        mlp = shape.width * experts + 3 * shape.width * (shape.expert_mlp or shape.mlp) * (top_k + shared)
+    per_block = 2 * shape.width * shape.width + 2 * shape.width * kv_width + mlp
     matmul_params = shape.depth * per_block + shape.width * vocab  # (a tied output layer multiplies too)
     return 6 * matmul_params + 12 * shape.depth * shape.width * seq_len
 
@@ -72,6 +79,7 @@ class Throughput:
         self.seq_len, self.world_size = cfg.seq_len, world_size
         vocab = gpt_vocab(cfg.model_size, cfg.dataset)
         kw = {"vocab": vocab, "seq_len": cfg.seq_len, "heads": cfg.heads, "kv_heads": cfg.kv_heads}
+        kw |= {"experts": cfg.experts, "top_k": cfg.top_k, "shared": cfg.shared_expert}  # (--experts: the active ones)
         self.flops_per_token = gpt_flops_per_token(cfg.model_size, **kw)
         self.device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"

@@ -97,6 +97,19 @@ def test_flops_per_token_is_what_torch_counts(size, seq_len, heads):
     assert counted.get_total_flops() == 3 * seq_len * flops_per_token(size, vocab=COPY_VOCAB, seq_len=seq_len, **kw)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_mixture_of_experts_counts_the_flops_of_the_experts_each_token_runs_through(shared):
+    """--experts 4 --top-k 2: torch counts the router and the two experts each token went to (not the four), as
+    flops_per_token does; MFU is then the active parameters', as MoE papers report it."""
+    moe = {"experts": 4, "top_k": 2, "shared": shared, "capacity_factor": 0.0, "aux_coef": 0.01}
+    model = BabyGPT(size="baby", vocab_size=COPY_VOCAB, seq_len=32, moe=moe)
+    tokens = torch.randint(0, COPY_VOCAB, (3, 32))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counted:
+        model(tokens).sum().backward()
+    kw = {"experts": 4, "top_k": 2, "shared": shared}
+    assert counted.get_total_flops() == 3 * 32 * flops_per_token("baby", vocab=COPY_VOCAB, seq_len=32, **kw)
+
+
 def test_the_peak_is_the_gpus_in_the_runs_dtype():
     assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989.4e12
     assert peak_flops("NVIDIA H100 PCIe", "bf16") == 756.5e12  # not the SXM's
