@@ -7,7 +7,7 @@
 # Several machines: NNODES, NODE_RANK, MASTER_ADDR (see runner/launch.sh and the README).
 set -euo pipefail
 source "$(dirname "$0")/runner/launch.sh"
-if (( MIN_NODES != MAX_NODES )); then  # not tested: a restart would change the EP degree (experts per rank) under the run
+if (( MIN_NODES != MAX_NODES )); then  # a restart would change the EP degree (experts per rank) under the run
   echo "error: NNODES=$NNODES: elastic training is supported by run_ddp.sh and run_fsdp.sh, not by EP; use a fixed NNODES" >&2
   exit 2
 fi
