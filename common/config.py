@@ -318,6 +318,8 @@ class Config:
         if self.model == "cnn" and (self.patch_size or self.heads):
             flag = "--patch-size" if self.patch_size else "--heads"
             raise ConfigError(f"{flag}: a flag of the ViT (--model vit); BabyCNN has no patches or heads: drop it")
+        if self.strategy == "ep" and self.model != "gpt":  # (before its default --experts 8 is called a GPT flag)
+            raise ConfigError("--model: expert parallelism spreads BabyGPT's experts; use --model gpt (its default)")
         given = [name for name in GPT_FLAGS if getattr(self, name)]
         if self.model != "gpt" and given:
             flag = "--" + given[0].replace("_", "-")

@@ -16,7 +16,7 @@ BAD_INPUT = [
     ("ep", ["--top-k", "9"], {}, "--top-k: 9 experts per token, of --experts 8"),  # (train_ep.py's 8 experts)
     ("ep", ["--experts", "0"], {}, "--experts: expert parallelism spreads a mixture of experts"),  # dense
     ("ep", ["--ep", "3"], {}, "--ep: 3 EP ranks do not divide the world size 4"),
-    ("ep", ["--model", "cnn"], {}, "not of the cnn"),  # (its default --experts 8 is BabyGPT's)
+    ("ep", ["--model", "cnn"], {}, "--model: expert parallelism spreads BabyGPT's experts; use --model gpt"),
     ("ep", [], {"NNODES": "1:2", "MASTER_ADDR": "127.0.0.1"}, "elastic training is supported by run_ddp.sh"),
     ("ddp", [*GPT, "--top-k", "2"], {}, "--top-k: a flag of the mixture of experts, and this model is dense"),
     ("ddp", ["--experts", "4"], {}, "--experts: a flag of BabyGPT (--model gpt), not of the cnn"),
