@@ -339,8 +339,8 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "gpt-memory-seq-len": (  # the memory wall plans BabyGPT at 64 tokens whatever --seq-len says
         "runner/memory.py",
-        "return gpt_layers(cfg.model_size, cfg.dataset, cfg.seq_len)",
-        "return gpt_layers(cfg.model_size, cfg.dataset)",
+        "model = gpt_layers(cfg.model_size, cfg.dataset, cfg.seq_len)",
+        "model = gpt_layers(cfg.model_size, cfg.dataset)",
         ["tests/integration/test_gpt_runs.py", "-k", "memory_wall"],
     ),
     "planner-causal": (  # the planner counts a causal attention as the whole square of scores, not its kernels' half
@@ -396,6 +396,18 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         'return ("all", "head", False) if source < rank else ("tail", "all", False)',
         'return ("all", "tail", False) if source < rank else ("tail", "all", False)',
         ["tests/integration/test_cp.py", "-k", "ring_attention_equals"],
+    ),
+    "ep-grad-mean": (  # the experts' gradients left as the sum over their EP group's ranks: world x too large
+        "train_ep.py",
+        "        grad.div_(world_size)\n",
+        "",
+        ["tests/integration/test_ep.py", "-k", "follows_one_process and ep2"],
+    ),
+    "ep-regroup": (  # the received rows left in source order: a rank's second expert runs the first's tokens
+        "common/expert_parallel.py",
+        "y = experts(x[by_expert], received.sum(0).tolist())",
+        "y = experts(x, received.sum(0).tolist())",
+        ["tests/integration/test_ep.py", "-k", "follows_one_process and ep2"],
     ),
     "cp-loss-scale": (  # CP's loss without its x cp: FSDP's average over the ranks then halves the gradient
         "train_cp.py",
