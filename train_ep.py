@@ -15,10 +15,10 @@ sharded by FSDP over every rank, as torchtitan's dp2ep does (docs/moe.md). Lines
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from common.checkpoint import Checkpoints
 from common.cli import parse_config
@@ -47,33 +47,31 @@ def main(argv: list[str] | None = None) -> None:
         teardown_distributed()
 
 
-def apply_ep(moes: Sequence[nn.Module], mesh: DeviceMesh, dispatch: Callable) -> list[nn.Parameter]:
+def apply_ep(
+    moes: Sequence[nn.Module], mesh: DeviceMesh, dispatch: Callable, *, param_dtype: torch.dtype | None = None
+) -> None:
     """[EP] The wrap: every MoE layer (`model.moes()`) keeps this rank's E / ep experts, a DTensor split by expert
-    over mesh["ep"] (replicated over mesh["dp"], the groups), and sends its tokens to them with `dispatch`
-    (common/expert_parallel.py's ExpertParallel over mesh["ep"], a file of torch alone: copy it whole). Returns the
-    experts' parameters, which FSDP leaves alone: their gradients are reduced by `reduce_expert_grads`."""
+    over mesh["ep"], and sends its tokens to them with `dispatch` (common/expert_parallel.py's ExpertParallel over
+    mesh["ep"], a file of torch alone: copy it whole). Each layer's experts are then an FSDP unit over mesh["dp"]:
+    the groups' copies of these experts shard them further, as FSDP x TP shards TP's halves (torchtitan's dp2ep), so
+    a rank keeps 1 / world of them. `param_dtype`: FSDP's mixed precision, as the dense parts' (train_fsdp.py)."""
     ep, rank = mesh["ep"].size(), mesh.get_local_rank("ep")
-    params = []
+    mixed = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for moe in moes:
         experts = moe.experts  # [EP] gate, up [E, D, H] and down [E, H, D]: this rank keeps rows rank E/ep..
         for name, weight in list(experts.named_parameters()):
             mine = weight.detach().chunk(ep)[rank].to(mesh.device_type)
-            setattr(experts, name, nn.Parameter(DTensor.from_local(mine, mesh, [Replicate(), Shard(0)])))
-            params.append(getattr(experts, name))
+            setattr(experts, name, nn.Parameter(DTensor.from_local(mine, mesh["ep"], [Shard(0)])))
         moe.ep = dispatch  # [EP] (common/moe.py: with a dispatch, the tokens go where their experts are)
-    return params
-
-
-@torch.no_grad()
-def reduce_expert_grads(params: Sequence[nn.Parameter], mesh: DeviceMesh, world_size: int) -> None:
-    """[EP] An expert's gradient holds the tokens of every rank of its "ep" group (backward sent theirs back):
-    summed over the groups ("dp") and divided by the world size, it is the mean over the global batch, as FSDP's
-    reduce-scatter makes the dense parts'."""
-    for param in params:
-        grad = param.grad.to_local()
-        if mesh["dp"].size() > 1:
-            dist.all_reduce(grad, group=mesh["dp"].get_group())
-        grad.div_(world_size)
+        fully_shard(experts, mesh=mesh["dp"], mp_policy=mixed)  # [EP] before the blocks: a unit of its own
+        # [EP] An expert's gradient holds the tokens of every rank of its EP group (backward sent theirs back); the
+        # reduce-scatter sums it over the groups, and over the world size it is the global batch's mean, as FSDP
+        # makes the dense parts' (its own divisor would be the groups' count)
+        experts.set_gradient_divide_factor(float(mesh.size()))
+        # gloo has no pre-multiplied sum (NCCL's PreMulSum): a sum, then the division (not on 1 rank, where FSDP
+        # divides once already and would divide again, torch 2.14.1)
+        if mesh.device_type == "cpu" and mesh["dp"].size() > 1:
+            experts.set_force_sum_reduction_for_comms(True)
 
 
 def train(cfg: Config, env: DistEnv) -> None:
@@ -96,16 +94,16 @@ def train(cfg: Config, env: DistEnv) -> None:
     model = build_model(**cfg.model_kwargs(), **data.shape)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"{type(model).__name__} {cfg.model_size}: {n_params:,} parameters, {cfg.experts} experts per block")
-    log(f"each rank holds {cfg.experts // ep} experts per block; each token runs through {cfg.top_k}")
+    log(
+        f"each rank runs {cfg.experts // ep} experts per block, their weights sharded over {env.world_size // ep} "
+        f"group(s) by FSDP; each token runs through {cfg.top_k}"
+    )
     torch.manual_seed(cfg.seed + env.rank)  # after building: same weights, but each rank its own dropout masks
     moes = model.moes()
-    expert_params = apply_ep(moes, mesh, ExpertParallel(mesh["ep"].get_group()))  # [EP]
-    # [EP] FSDP over every rank, a unit per block, for the dense parts; the experts are EP's
+    apply_ep(moes, mesh, ExpertParallel(mesh["ep"].get_group()), param_dtype=low_precision(cfg))  # [EP]
+    # [EP] FSDP over every rank, a unit per block, for the dense parts (the experts are units of their own already)
     flags = {"param_dtype": low_precision(cfg), "activation_checkpointing": cfg.activation_checkpointing}
-    model = apply_fsdp(
-        model, fsdp_mesh(env.device.type, env.world_size), units=model.blocks(), ignored_params=set(expert_params),
-        **flags,
-    )  # fmt: skip
+    model = apply_fsdp(model, fsdp_mesh(env.device.type, env.world_size), units=model.blocks(), **flags)
     optimizer = build_optimizer(model.parameters(), cfg)
     scaler = loss_scaler(cfg)  # fp16: scales the loss; skips a step whose gradients overflowed
 
@@ -144,8 +142,7 @@ def train(cfg: Config, env: DistEnv) -> None:
             with recorder.span("backward"):  # [EP] the gradients take the all-to-alls back
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
-        reduce_expert_grads(expert_params, mesh, env.world_size)  # [EP]
-        # clip by the whole gradient's norm: the dense parts sharded over every rank, the experts over "ep"
+        # clip by the whole gradient's norm: the dense parts sharded over every rank, the experts over "dp" and "ep"
         grad_norm = clip_grad_norm(model.parameters(), cfg.max_grad_norm, loss_scale=scaler.value)
         with recorder.span("optimizer"):
             scaler.step(optimizer, grad_norm)  # fp16: not if the gradients overflowed (the same on every rank)

@@ -63,14 +63,12 @@ def apply_fsdp(
     offload: bool = False,
     activation_checkpointing: bool = False,
     compile: bool = False,
-    ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """[FSDP] The wrap: `fully_shard` on each of `units` (a module, or a list of layers sharded together), then on
     the root for the rest, over `mesh`. `param_dtype` (bf16, fp16): compute in it, keep fp32 shards and reduce
     gradients in fp32; `reshard_after_forward=False` keeps the gathered parameters for backward (ZeRO-2);
-    `offload`: shards, gradients and optimizer state in CPU memory; `ignored_params`: left to the caller (train_ep.py's
-    experts). Returns the model to train (in a checkpoint wrapper with `activation_checkpointing`). python -m planner
-    shards with it too."""
+    `offload`: shards, gradients and optimizer state in CPU memory. Returns the model to train (in a checkpoint
+    wrapper with `activation_checkpointing`). python -m planner shards with it too."""
     if activation_checkpointing:
         # [FSDP] Keep only each block's input for backward and recompute its activations there (a second forward),
         # wrapped before sharding, as torchtitan orders them; a model of layer lists is one span, checkpointed whole.
@@ -86,7 +84,7 @@ def apply_fsdp(
     # units hand each other param_dtype, the root returns fp32 logits for the loss
     mixed = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
-    shard = dict(mesh=mesh, mp_policy=mixed, offload_policy=offload_policy, ignored_params=ignored_params)
+    shard = dict(mesh=mesh, mp_policy=mixed, offload_policy=offload_policy)
     if compile:
         # [FSDP] Compile before sharding. FSDP2's hooks (all-gather before a unit, reduce-scatter after its
         # backward) are marked for dynamo to leave out, so the graph breaks at each unit's boundary: a graph

@@ -71,11 +71,11 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "fsdp-unit-mixed-precision": (  # the blocks' policy
         "train_fsdp.py",
-        "shard = dict(mesh=mesh, mp_policy=mixed, offload_policy=offload_policy, ignored_params=ignored_params)",
+        "shard = dict(mesh=mesh, mp_policy=mixed, offload_policy=offload_policy)",
         # (fp32 inside the blocks, bf16 handed back to the root, which a plain MixedPrecisionPolicy() would not do:
         # the root's bf16 input then meets fp32 weights and the training crashes instead of being caught)
         "shard = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, output_dtype=param_dtype), "
-        "offload_policy=offload_policy, ignored_params=ignored_params)",
+        "offload_policy=offload_policy)",
         ["tests/integration/test_vit.py", "-k", "recomputes"],
     ),
     "compile": (
@@ -397,9 +397,9 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
         'return ("all", "tail", False) if source < rank else ("tail", "all", False)',
         ["tests/integration/test_cp.py", "-k", "ring_attention_equals"],
     ),
-    "ep-grad-mean": (  # the experts' gradients left as the sum over their EP group's ranks: world x too large
+    "ep-grad-mean": (  # FSDP's own divisor for the experts, the groups' count: their gradients ep x too large
         "train_ep.py",
-        "        grad.div_(world_size)\n",
+        "        experts.set_gradient_divide_factor(float(mesh.size()))\n",
         "",
         ["tests/integration/test_ep.py", "-k", "follows_one_process and ep2"],
     ),

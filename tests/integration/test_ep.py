@@ -77,8 +77,9 @@ def routing(out: Path, key: str = "tokens_per_expert") -> list:
 # ------------------------------------------------------------------------------------ training against one process
 @pytest.mark.parametrize("name", tiered(["ep2", "ep4", "fsdp-x-ep"], POOLED))
 def test_ep_follows_one_process(runs, name):
-    """Each rank holds E / ep experts of every layer (run.json and the printed line say so), its tokens sent to
-    them by all-to-all; the run follows train_ddp.py on one process step by step, and every step routes as many
+    """Each rank runs E / ep experts of every layer (run.json and the printed line say so), its tokens sent to
+    them by all-to-all, and holds 1 / world of every parameter, the experts' too (FSDP shards each EP rank's slice
+    over the groups); the run follows train_ddp.py on one process step by step, and every step routes as many
     tokens to each expert as train_ep.py on one process (its routing is the one process's, not near it)."""
     dp, ep = MESH[name]
     assert len(losses(runs / name)) == STEPS
@@ -86,7 +87,10 @@ def test_ep_follows_one_process(runs, name):
     run = read_run(runs / name)
     assert run["strategy"] == "ep" and run["world_size"] == dp * ep and run["mesh"] == {"dp": dp, "ep": ep}
     assert run["ep"] == {"experts_per_rank": EXPERTS // ep}
-    assert f"each rank holds {EXPERTS // ep} experts per block; each token runs through {TOP_K}" in printed(runs / name)
+    said = f"each rank runs {EXPERTS // ep} experts per block, their weights sharded over {dp} group(s) by FSDP"
+    assert f"{said}; each token runs through {TOP_K}" in printed(runs / name)
+    whole = read_run(runs / "ref")["memory"]["per_rank"][0]["param_bytes"]
+    assert [r["param_bytes"] for r in run["memory"]["per_rank"]] == [whole // (dp * ep)] * (dp * ep)
     tokens = routing(runs / name)
     assert tokens == routing(runs / "ep1")
     assert all(sum(layer) == BATCH * SEQ_LEN * TOP_K for step in tokens for layer in step)  # every assignment, once

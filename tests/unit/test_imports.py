@@ -19,8 +19,9 @@ NOT_WORKER = ("runner", "tools", "planner", "bench")
 # What stays above the aim is what every run uses: the interruptions a user meets (preemption, write errors, timeouts,
 # out of memory, one line each), checkpoints and run.json, and every script's flags (the ViT's, BabyGPT's and the other
 # strategies' too, for --help and the checks: train_cp.py's --cp-attention, default model, --tp refusal added 12; the
-# mixture of experts' six flags and train_ep.py's routing record, 35); docs/copying.md says which lines a copier needs.
-DDP_BUDGET = 1770
+# mixture of experts' six flags, the published ones' defaults and train_ep.py's routing record, 42); docs/copying.md
+# says which lines of them a copier needs.
+DDP_BUDGET = 1777
 SCRIPT_LINES = {"train_pippy.py": 280}  # the others: 220
 LONGEST_FUNCTION = {"train_pippy.py": 130}  # the others: 90
 # Each script's wrap, copyable alone: these functions use no name the script imports from the suite
@@ -30,7 +31,7 @@ WRAPS = {
     "train_tp.py": ("ReplicateParallel", "apply_tp"),
     "train_pippy.py": ("apply_pipeline", "make_schedule"),
     "train_cp.py": ("apply_cp", "cut_sequences"),
-    "train_ep.py": ("apply_ep", "reduce_expert_grads"),
+    "train_ep.py": ("apply_ep",),
 }
 
 
