@@ -41,7 +41,7 @@ def planned_peak_bytes(cfg: Config, world_size: int) -> int:
     FSDP x TP gathers a TP rank's part of the model);
     a pipeline rank holds its stages, with as many micro-batches in flight as the ranks after it; and every rank
     the activations of its share of the batch (CP: of 1/cp of its replica's sequences, its parameters FSDP's;
-    EP: the dense parts FSDP's over every rank, the routed experts' state divided by --ep)."""
+    EP: every parameter's state over every rank, as FSDP's, with a block's dense part and its experts gathered)."""
     model = model_layers(cfg)
     names = [layer.name for layer in model]
     params = sum(layer.params for layer in model)
@@ -100,14 +100,15 @@ def planned_peak_bytes(cfg: Config, world_size: int) -> int:
     if cfg.strategy == "ddp" or cfg.sharding == "none":
         return state * params + batch
     if cfg.strategy == "ep":
-        # An estimate kept simple (not the planner's): the routed experts' state divided by --ep (all of it where a
-        # rank holds its experts, replicated over the groups), the rest FSDP's over every rank with a block gathered
-        # (its parameters, then its gradients); the activations as FSDP's, the tokens a rank's experts receive
+        # An estimate kept simple (not the planner's): every parameter's state over every rank (train_ep.py: the dense
+        # parts FSDP's over the world, each layer's routed experts split over --ep and FSDP's over the world / ep
+        # groups), a block's dense part gathered (its parameters, then its gradients) and, with more than one group,
+        # its E / ep experts gathered over the groups; the activations as FSDP's, the tokens a rank's experts receive
         # counted as the ones it sends (even routing: uneven routing makes a busy rank hold more)
-        routed = expert_params(cfg) * sum(name.startswith("block") for name in names)
         ep = cfg.ep or world_size
         unit = max(layer.params for layer in model if layer.name.startswith("block")) - expert_params(cfg)
-        return state * (params - routed) // world_size + state * routed // ep + 8 * unit + batch
+        experts = expert_params(cfg) // ep if world_size > ep else 0  # one group: the rank's experts are whole
+        return state * params // world_size + 8 * (unit + experts) + batch
     shards = world_size // 2 if cfg.sharding == "hybrid" else world_size
     by_layer = {layer.name: layer.params for layer in model}
     block = max(sum(by_layer[name] for name in names) for names in blocks(cfg.model_size, cfg.model))

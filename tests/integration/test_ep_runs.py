@@ -40,11 +40,16 @@ def test_bad_input_is_one_line_before_torchrun(tmp_path, strategy, flags, env, n
 
 
 def test_the_memory_wall_plans_ep(monkeypatch):
-    """EP's plan (an estimate: the dense parts' state FSDP's over every rank, the routed experts' divided by --ep):
-    a rank holds less the more EP ranks split the experts, less than DDP's whole copy, less with activation
-    checkpointing; --experts counts in every strategy's plan; a run that does not fit is refused as EP's."""
+    """EP's plan (an estimate: every parameter's state over every rank, the experts FSDP's over the groups since
+    train_ep.py shards them there too): the same state per rank for every --ep, what differs being the experts a
+    block gathers over the groups (none with one group); as FSDP's on 1 EP rank, less than DDP's whole copy, less
+    with activation checkpointing; --experts counts in every strategy's plan; a run that does not fit is refused as
+    EP's."""
     ep = {n: planned_peak_bytes(Config(strategy="ep", model="gpt", experts=8, ep=n), 4) for n in (1, 2, 4)}
-    assert ep[4] < ep[2] < ep[1]
+    experts = 8 * 3 * 64 * 192  # baby's 8 experts of a block, each a SwiGLU of width 64, hidden 192
+    # 4 ranks in 1, 2 and 4 groups: a block's 8 / ep experts gathered over them (fp32 weights and gradients)
+    assert ep[4] == ep[2] - 8 * experts // 2 == ep[1] - 8 * experts
+    assert ep[1] == planned_peak_bytes(Config(strategy="fsdp", model="gpt", experts=8), 4)  # EP 1 is FSDP per block
     ddp = planned_peak_bytes(Config(model="gpt", experts=8), 4)
     assert ep[1] < ddp and planned_peak_bytes(Config(model="gpt"), 4) < ddp  # (the experts: 8 MLPs a block)
     checkpointed = Config(strategy="ep", model="gpt", experts=8, activation_checkpointing=True)
