@@ -1,7 +1,8 @@
 """The smoke subset for the oldest torch the suite supports (common/versions.py's FLOOR): `.ci/run` installs it in a
 second environment (requirements-floor.txt) and runs this module there, while the full suite runs on the newest
 torch (this folder is not in pytest.ini's testpaths). Every runner for a few steps on 2 processes, a parity pair
-and a bit-for-bit resume, and what needs a newer torch refused in one line, by the runner and by the script."""
+and a bit-for-bit resume, expert parallelism against one process, and what needs a newer torch refused in one line,
+by the runner and by the script."""
 
 import sys
 from pathlib import Path
@@ -16,9 +17,9 @@ FLAGS = [*SMALL, "--max-steps", "6", "--batch-size", "64", "--dropout", "0", "--
 FLAGS += ["--warmup-steps", "2", "--checkpoint-every", "3"]
 
 
-def runner(strategy: str, flags: list[str], out: Path, *, check: bool = True):
+def runner(strategy: str, flags: list[str], out: Path, *, check: bool = True, nproc: int = 2):
     cmd = ["bash", f"run_{strategy}.sh", *flags, "--out", str(out)]
-    return run_command(cmd, env={**env_for_tests(), "NPROC": "2"}, check=check)
+    return run_command(cmd, env={**env_for_tests(), "NPROC": str(nproc)}, check=check)
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +44,15 @@ def test_a_resume_repeats_the_run_bit_for_bit(runs, tmp_path):
     proc = runner("ddp", [*FLAGS, "--resume"], again)
     assert_resumed(again, 3, proc.stdout + proc.stderr, source=runs / "ddp")
     assert losses(again) == losses(runs / "ddp") and grad_norms(again) == grad_norms(runs / "ddp")
+
+
+def test_expert_parallelism_follows_one_process(tmp_path):
+    """train_ep.py's all-to-alls and the experts' FSDP units over the groups (2 x 2, --ep 2) on this torch: the same
+    curve as the mixture of experts on one process."""
+    moe = ["--model", "gpt", "--experts", "4", "--seq-len", "32", *FLAGS]
+    run_command([sys.executable, "train_ddp.py", *moe, "--out", str(tmp_path / "one")])
+    runner("ep", [*moe, "--ep", "2"], tmp_path / "ep", nproc=4)
+    assert_follows(tmp_path / "ep", tmp_path / "one", loss=1e-5, grad_norm=1e-4)
 
 
 @pytest.mark.parametrize(
