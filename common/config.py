@@ -192,7 +192,7 @@ class Config:
     cp_attention: str = "ring"
     """CP: ring (written out in common/ring_attention.py, any device) or torch (PyTorch's context_parallel: CUDA)."""
     ep: int = 0
-    """EP: ranks the experts are spread over (0: every rank); the world size / --ep groups hold a copy each."""
+    """EP: ranks the experts are spread over (0: every rank), FSDP sharding each one's over the world / --ep groups."""
 
     # --- output, logging, checkpoints ---
     out: str = ""
