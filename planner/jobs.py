@@ -36,7 +36,7 @@ class Job:
     world_size: int
     rank: int
     count: bool
-    depth: int = 0  # a deep BabyGPT planned at fewer blocks (planner/plan.py: shallow_depths); 0: its own
+    depth: int = 0  # a deep BabyGPT or ViT planned at fewer blocks (planner/plan.py: shallow_depths); 0: its own
 
     @cached_property
     def key(self) -> str:
@@ -54,7 +54,7 @@ def _measure(job: Job) -> RankMemory:
         return plan_rank(job.cfg, job.world_size, job.rank, count=job.count)
     from planner.plan import model_depth
 
-    with model_depth(job.cfg.model_size, job.depth):
+    with model_depth(job.cfg.model_size, job.depth, job.cfg.model):
         return plan_rank(job.cfg, job.world_size, job.rank, count=job.count)
 
 

@@ -227,7 +227,7 @@ def _extrapolated_ranks(
     ranks = ranks_to_measure(cfg, world_size)
     held = []
     for depth in depths:
-        with model_depth(cfg.model_size, depth):
+        with model_depth(cfg.model_size, depth, cfg.model):
             held.append([blocks_held(cfg, world_size, rank) for rank in ranks])
     own = [blocks_held(cfg, world_size, rank) for rank in ranks]
     planned = [[found[rank, depth] for rank in ranks] for depth in depths]
@@ -255,10 +255,16 @@ def _ddp_buckets(cfg: Config, counted: list[Collective]) -> list[Collective]:
     return [replace(bucket, bytes=n) for n in sizes] + [c for c in counted if c.logged]
 
 
-def model_depth(size: str, depth: int) -> Any:
-    """BabyGPT of `size` with `depth` blocks, for the length of a `with`: its shape's depth replaced."""
+def model_depth(size: str, depth: int, model: str = "gpt") -> Any:
+    """BabyGPT (or, with model="vit", BabyViT) of `size` with `depth` blocks, for the length of a `with`: its
+    shape's depth replaced."""
     from unittest import mock
 
+    if model == "vit":
+        from common.vit_sizes import VIT_SIZES
+
+        patch, width, _, heads, mlp = VIT_SIZES[size]
+        return mock.patch.dict(VIT_SIZES, {size: (patch, width, depth, heads, mlp)})
     from common.gpt_sizes import GPT_SIZES
 
     return mock.patch.dict(GPT_SIZES, {size: GPT_SIZES[size]._replace(depth=depth)})
@@ -266,10 +272,8 @@ def model_depth(size: str, depth: int) -> Any:
 
 def blocks_held(cfg: Config, world_size: int, rank: int) -> int:
     """The blocks rank `rank` holds: all of them, or a pipeline rank its stages'."""
-    from common.gpt_sizes import GPT_SIZES
-
     if cfg.strategy != "pippy":
-        return GPT_SIZES[cfg.model_size].depth
+        return max_stages(cfg.model_size, cfg.model)  # (a transformer's: its depth)
     from common.pipeline_layout import PipelineLayout
 
     layout = PipelineLayout.of(cfg, world_size)
@@ -279,24 +283,27 @@ def blocks_held(cfg: Config, world_size: int, rank: int) -> int:
     return sum(name.startswith("block") for s in mine for name in names[bounds[s] : bounds[s + 1]])
 
 
-def shallow_depths(cfg: Config, world_size: int) -> tuple[int, ...]:
-    """The two depths a deep BabyGPT is planned at (SHALLOW, a pipeline's per stage; () for a model no deeper, or
-    BabyCNN's and the ViT's, planned whole): the second the first where every planned rank holds more blocks."""
-    if cfg.model != "gpt":
+def shallow_depths(cfg: Config, world_size: int, *, count: bool = False) -> tuple[int, ...]:
+    """The two depths a deep BabyGPT or ViT is planned at (SHALLOW, a pipeline's per stage; () for a model no deeper,
+    BabyCNN, or a ViT's counted step, planned whole): the second the first where every planned rank holds more
+    blocks. (A ViT's counted collectives come out of the line in another order than its own depth runs them; a
+    ViT is planned whole too where its two shallow plans would hold as many blocks as it.)"""
+    if cfg.model not in ("gpt", "vit") or (cfg.model == "vit" and count):
         return ()
-    from common.gpt_sizes import GPT_SIZES
     from common.pipeline_layout import PipelineLayout
 
-    depth = GPT_SIZES[cfg.model_size].depth
+    depth = max_stages(cfg.model_size, cfg.model)  # (a transformer's: its depth)
     stages = PipelineLayout.of(cfg, world_size).n_stages if cfg.strategy == "pippy" else 1
     first, second = (stages * n for n in (SHALLOW_STAGES if cfg.strategy == "pippy" else SHALLOW))
     if depth <= second:
         return ()
     ranks = ranks_to_measure(cfg, world_size)
-    with model_depth(cfg.model_size, first):
+    with model_depth(cfg.model_size, first, cfg.model):
         before = [blocks_held(cfg, world_size, rank) for rank in ranks]
     for deeper in range(second, min(depth, 4 * second)):  # (a heavy head can keep the last stage's blocks)
-        with model_depth(cfg.model_size, deeper):
+        if cfg.model == "vit" and first + deeper >= depth:  # (a ViT's two plans only where they cost fewer blocks)
+            return ()
+        with model_depth(cfg.model_size, deeper, cfg.model):
             if all(blocks_held(cfg, world_size, r) > b for r, b in zip(ranks, before)):
                 return first, deeper
     return ()
@@ -429,7 +436,7 @@ def plan_configs(
     plans = []
     for (variant, cfg, n), measured in zip(named, ranks):
         result = _empty_plan(variant, cfg, n)
-        result.ranks, result.depths = measured, shallow_depths(cfg, n)
+        result.ranks, result.depths = measured, shallow_depths(cfg, n, count=profile is not None)
         if profile is not None:
             counts = {r.rank: r.count for r in result.ranks if r.count}
             result.time = predict(cfg, n, counts, profile)
@@ -452,7 +459,7 @@ def measure_ranks(
     asked: list[dict[tuple[int, int], Job]] = []  # {(rank, depth): the job that measures it}, for each of wanted
     for cfg, n in wanted:
         between = tp_slices(cfg, n, ranks_to_measure(cfg, n), count)
-        depths = shallow_depths(cfg, n) or (0,)  # (0: the model's own depth)
+        depths = shallow_depths(cfg, n, count=count) or (0,)  # (0: the model's own depth)
         ranks = [rank for rank in ranks_to_measure(cfg, n) if rank not in between]
         asked.append({(rank, d): Job(cfg, n, rank, count, d) for d in depths for rank in ranks})
     told: set[int] = set()
@@ -465,19 +472,23 @@ def measure_ranks(
                     started(i)
 
     found = measure([job for jobs in asked for job in jobs.values()], workers=workers, started=starts)
-    more: dict[tuple[int, int], Job] = {}  # the ranks between a stage's first and last TP rank, where those differ
+    more: dict[tuple[int, int, int], Job] = {}  # the ranks between a stage's first and last TP rank, where those
+    # differ at any depth planned: measured at each
     for i, (cfg, n) in enumerate(wanted):
+        depths = shallow_depths(cfg, n, count=count) or (0,)
         for rank, (first, last) in tp_slices(cfg, n, ranks_to_measure(cfg, n), count).items():
-            if not same_but_rank(found[asked[i][first, 0].key], found[asked[i][last, 0].key]):
-                more[i, rank] = Job(cfg, n, rank, count)
+            if not all(same_but_rank(found[asked[i][first, d].key], found[asked[i][last, d].key]) for d in depths):
+                more |= {(i, rank, d): Job(cfg, n, rank, count, d) for d in depths}
     found |= measure(list(more.values()), workers=workers)
     measured = []
     for i, (cfg, n) in enumerate(wanted):
-        if depths := shallow_depths(cfg, n):
-            measured.append(_extrapolated_ranks(cfg, n, depths, {k: found[job.key] for k, job in asked[i].items()}))
-            continue
-        between = tp_slices(cfg, n, ranks_to_measure(cfg, n), count)
-        jobs = {rank: job for (rank, _), job in asked[i].items()}
-        jobs |= {rank: more.get((i, rank)) or jobs[first] for rank, (first, _) in between.items()}
-        measured.append([replace(found[jobs[rank].key], rank=rank) for rank in ranks_to_measure(cfg, n)])
+        depths = shallow_depths(cfg, n, count=count)
+        jobs = dict(asked[i])
+        for rank, (first, _) in tp_slices(cfg, n, ranks_to_measure(cfg, n), count).items():
+            jobs |= {(rank, d): more.get((i, rank, d)) or jobs[first, d] for d in depths or (0,)}
+        ranks = {k: replace(found[job.key], rank=k[0]) for k, job in jobs.items()}
+        if depths:
+            measured.append(_extrapolated_ranks(cfg, n, depths, ranks))
+        else:
+            measured.append([ranks[rank, 0] for rank in ranks_to_measure(cfg, n)])
     return measured

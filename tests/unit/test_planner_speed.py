@@ -131,3 +131,44 @@ def test_worker_processes_plan_what_this_one_does() -> None:
     there = plan_all(wanted, profile=h100, workers=2, started=lambda v, n: started.append((v, n)))
     assert here == there and sorted(started) == sorted((v, n) for v, _, n in wanted)
     assert there[1]["time"]["step_s"] > 0 and there[1]["ranks"][1]["count"]["actions"]  # (counted: pickled back)
+
+
+def deep_vit_plans(variant: str, n: int, depth: int) -> tuple[tuple[int, ...], list, list]:
+    """The ViT baby made `depth` blocks deep, `variant` on `n` ranks: the depths it is planned at, its ranks as the
+    planner plans them (at those depths, extrapolated), and each rank planned at every block."""
+    from planner.measure import plan_rank
+    from planner.plan import measure_ranks, model_depth, ranks_to_measure, shallow_depths, variant_config
+
+    with model_depth("baby", depth, "vit"):
+        cfg = variant_config(variant, baby("vit", n), n)
+        whole = [plan_rank(cfg, n, rank) for rank in ranks_to_measure(cfg, n)]
+        return shallow_depths(cfg, n), measure_ranks([(cfg, n)])[0], whole
+
+
+VIT_WORLDS = [  # (a pipeline of 4 stages is planned at 1 and 2 blocks a stage: 13 blocks, cut 4, 3, 3, 3)
+    *(("fsdp full, a unit per block, checkpointed", 8, 12), ("fsdp x tp, sequence parallel", 8, 12)),
+    *(pytest.param(v, n, 12, marks=pytest.mark.heavy) for v in ("ddp", "fsdp full, a unit per block") for n in (1, 8)),
+    *(pytest.param("fsdp x tp", n, 12, marks=pytest.mark.heavy) for n in (4, 8)),
+    *(pytest.param("pipeline 1f1b", n, 13, marks=pytest.mark.heavy) for n in (4, 8)),
+    *(pytest.param("fsdp x pp x tp", n, d, marks=pytest.mark.heavy) for n, d in ((4, 12), (8, 12), (16, 13))),
+]
+
+
+@pytest.mark.parametrize("variant, n, depth", VIT_WORLDS)
+def test_a_deep_vits_plan_from_two_shallow_depths_is_the_plan_of_every_block(variant: str, n: int, depth: int) -> None:
+    """The ViT baby made 12 or 13 blocks deep, planned at 3 and 4 blocks (a pipeline at 1 and 2 a stage) and
+    extrapolated in the blocks each rank holds: every rank's state, peak and parts those of planning every block, to
+    the byte (FSDP's uneven chunks of the head on 8 ranks, TP's slices, a pipeline's uneven stages, a stage's middle
+    TP ranks at 8 and 16)."""
+    depths, found, whole = deep_vit_plans(variant, n, depth)
+    assert depths and depths[0] + depths[1] < depth
+    assert [r.__dict__ for r in found] == [r.__dict__ for r in whole]
+
+
+def test_a_vit_is_planned_whole_where_counted_or_where_two_shallow_plans_hold_as_many_blocks() -> None:
+    from planner.plan import model_depth, shallow_depths, variant_config
+
+    cfg = variant_config("fsdp full, a unit per block", baby("vit", 8), 8)
+    assert shallow_depths(cfg, 8) == ()  # (the baby's 6 blocks: 3 and 4 are more)
+    with model_depth("baby", 12, "vit"):
+        assert shallow_depths(cfg, 8) == (3, 4) and shallow_depths(cfg, 8, count=True) == ()
