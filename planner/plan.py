@@ -52,7 +52,7 @@ class Plan:
     unit_bytes: int = 0  # FSDP: the largest unit's parameters and gradients held whole while it runs
     model: str = "cnn"
     batch_size: int = 0  # the global batch: samples (BabyGPT's: sequences) per optimizer step
-    depths: tuple[int, ...] = ()  # a deep BabyGPT's: the two depths planned, extrapolated to its own (measure_ranks)
+    depths: tuple[int, ...] = ()  # a deep BabyGPT's or ViT's: the two depths planned, extrapolated (measure_ranks)
 
     @property
     def per_rank_batch(self) -> int:
@@ -214,7 +214,11 @@ def counted_steps(cfg: Config, world_size: int) -> dict[int, StepCount]:
 # rank holds and runs grows by the same amount with each block it holds (its state, the activations a step keeps, its
 # operators' calls, its collectives), which three and four blocks already show (docs/benchmarks, the planner for gpt:
 # the extrapolation against plans of every block; with two, a checkpointed block's peak is not yet on the line). A
-# pipeline rank's blocks are its stages': one and two a stage (on the line from one).
+# pipeline rank's blocks are its stages': one and two a stage (on the line from one). A deep ViT's too, uncounted:
+# its state is each parameter's shard or slice summed, a block's the same at any depth (exact); its peak is the largest
+# of lines in the blocks (what each moment of the step holds), exact where the line the shallow plans find still is
+# the largest at its own depth: checked, not proven (tests/unit/test_planner_speed.py: every variant against plans of
+# every block; the 22 B ViT's 27 default plans identical to the byte, docs/benchmarks/2026-12-04-...-planner-speed.md).
 SHALLOW = (3, 4)
 SHALLOW_STAGES = (1, 2)
 
@@ -453,9 +457,9 @@ def measure_ranks(
 ) -> list[list[RankMemory]]:
     """For each (cfg, world_size) of `wanted`: its ranks_to_measure, planned (planner/measure.py's plan_rank, its
     step counted with `count`), each step once (planner/jobs.py: DDP's rank once for every world of more than one,
-    a pipeline stage's TP ranks between the first and the last from those two), a deep BabyGPT's at two shallow
-    depths and extrapolated (`shallow_depths`), in `workers` processes; `started(i)` as the first rank of wanted[i]
-    starts."""
+    a pipeline stage's TP ranks between the first and the last from those two), a deep BabyGPT's or ViT's at two
+    shallow depths and extrapolated (`shallow_depths`), in `workers` processes; `started(i)` as the first rank of
+    wanted[i] starts."""
     asked: list[dict[tuple[int, int], Job]] = []  # {(rank, depth): the job that measures it}, for each of wanted
     for cfg, n in wanted:
         between = tp_slices(cfg, n, ranks_to_measure(cfg, n), count)
