@@ -218,7 +218,8 @@ def counted_steps(cfg: Config, world_size: int) -> dict[int, StepCount]:
 # its state is each parameter's shard or slice summed, a block's the same at any depth (exact); its peak is the largest
 # of lines in the blocks (what each moment of the step holds), exact where the line the shallow plans find still is
 # the largest at its own depth: checked, not proven (tests/unit/test_planner_speed.py: every variant against plans of
-# every block; the 22 B ViT's 27 default plans identical to the byte, docs/benchmarks/2026-12-04-...-planner-speed.md).
+# every block; the 22 B ViT's 27 default plans identical to the byte:
+# docs/benchmarks/2026-12-04-zen4-2core-planner-speed.md).
 SHALLOW = (3, 4)
 SHALLOW_STAGES = (1, 2)
 
