@@ -363,8 +363,8 @@ MUTATIONS: dict[str, tuple[str, str, str, list[str]]] = {
     ),
     "planner-tp-stand-ins": (  # a pipeline stage's middle TP ranks copied from its first even where its last differs
         "planner/plan.py",
-        "            if not same_but_rank(",
-        "            if False and not same_but_rank(",
+        "            if not all(same_but_rank(",
+        "            if False and not all(same_but_rank(",
         ["tests/unit/test_planner_speed.py", "-k", "differ"],
     ),
     "planner-cp-whole-sequences": (  # the planner's CP rank runs its replica's whole sequences, not its two chunks
